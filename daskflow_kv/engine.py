@@ -1,0 +1,244 @@
+"""The KV operators in one process: materialize, fork, resume, extend, merge, release.
+
+``Engine`` joins a ``ModelRunner`` (tensors), a ``BlockStore`` (who holds which block) and
+a ``PrefixIndex`` (which prefixes are cached). Every operator checks compatibility first,
+then reuses the longest cached prefix and prefills only the rest. The Dask runtime runs
+the same runner inside tasks; this class is the reference it must agree with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import compat
+from .blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len
+from .block_store import BlockStore
+from .errors import MergeError
+from .kv_state import KVState, LineageEvent, new_state_id
+from .model_runner import ModelRunner, RunMetrics
+from .prefix_index import PrefixIndex
+from .sampling import GREEDY, SamplingParams
+
+
+@dataclass(slots=True)
+class Generation:
+    tokens: list[int]  # generated token ids (EOS included if reached)
+    text: str  # their decoded text
+    logits: torch.Tensor | None  # [len(tokens), vocab] fp32 logits, if asked for
+    metrics: RunMetrics  # timings and token counts
+    state: KVState | None = None  # continuation state (state mode only)
+    own_blocks: tuple[BlockRef, ...] = ()  # blocks the continuation added to its parent's
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str = "tiny-llama",
+        dtype: str | torch.dtype = "float32",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        namespace: str = "",
+        device: str = "cpu",
+        runner: ModelRunner | None = None,
+    ):
+        if runner is None:
+            from .models.loader import load_model
+
+            lm = load_model(model, dtype=dtype, device=device)
+            runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
+        self.runner = runner
+        self.store = BlockStore()
+        self.index = PrefixIndex()
+        self._states: dict[str, KVState] = {}  # live descriptors by id, for lineage lookups
+
+    # -- conveniences -----------------------------------------------------------------
+    @property
+    def fingerprint(self):
+        return self.runner.fingerprint
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    # -- internals ----------------------------------------------------------------------
+    def _check(self, state: KVState) -> None:
+        compat.check_state_for_model(state, self.fingerprint, self.block_size)
+        self.store.require_live(state)
+
+    def _publish(self, tokens, kept, new_blocks, op, parents, **detail) -> KVState:
+        """Register a state made of ``kept`` (shared) blocks followed by freshly computed ones."""
+        sid = new_state_id(op)
+        parent_key = kept[-1].key if kept else None
+        refs = list(kept)
+        for start, end, tensor in new_blocks:
+            key = block_key(self.fingerprint.digest, parent_key, tokens[start:end])
+            ref = BlockRef(key, start, tuple(tokens[start:end]), tensor.numel() * tensor.element_size())
+            self.store.put(key, tensor, owner=sid)
+            self.index.add(ref, parent_key, self.fingerprint.digest)
+            refs.append(ref)
+            parent_key = key
+        event = LineageEvent(op, sid, tuple(p.state_id for p in parents), tuple(sorted(detail.items())))
+        history = tuple(dict.fromkeys(ev for p in parents for ev in p.lineage))
+        state = KVState(sid, self.fingerprint, self.block_size, tuple(refs), history + (event,), str(self.runner.device))
+        return self.store.register(state)
+
+    def _prefill(
+        self, tokens: list[int], op: str, parents: tuple[KVState, ...], max_new_tokens: int = 0, detail=None, **run_kw
+    ):
+        """Reuse the longest cached prefix of ``tokens``, prefill the rest, maybe decode.
+
+        Returns (state, run output or None, tokens reused).
+        """
+        compat.check_tokens(tokens, self.runner.vocab_size)
+        compat.check_positions(0, len(tokens), max_new_tokens, self.runner.max_positions)
+        match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size)
+        # Decoding needs the last token's logits, which no cache holds: always feed >= 1 token.
+        reused = min(match.tokens, len(tokens) - 1) if max_new_tokens else match.tokens
+        floor = aligned_floor(reused, self.block_size)
+        kept = [b for b in match.blocks if b.end <= floor]
+        out = None
+        computed = len(tokens) - reused
+        if reused < len(tokens):
+            blocks = [self.store.get(b.key) for b in match.blocks if b.start < reused]
+            out = self.runner.run(blocks, reused, tokens[reused:], max_new_tokens, **run_kw)
+            tokens = tokens + out.generated[:-1]
+            new_blocks = out.new_blocks
+        elif floor < reused:  # all cached, the tail inside a longer block: cut it out, no forward
+            tail = match.blocks[-1]
+            new_blocks = [(floor, reused, self.store.get(tail.key)[:, :, :, : reused - floor].contiguous())]
+        else:
+            new_blocks = []
+        if not parents:  # plain materialize: the states whose blocks were reused are its parents
+            owners = dict.fromkeys(self.store.owner(b.key) for b in kept)
+            parents = tuple(self._states[o] for o in owners if o in self._states)
+        state = self._publish(
+            tokens, kept, new_blocks, op, parents, tokens_reused=reused, tokens_computed=computed, **(detail or {})
+        )
+        self._states[state.state_id] = state
+        return state, out, reused
+
+    # -- operators ----------------------------------------------------------------------
+    def materialize(self, tokens: Sequence[int] | str) -> KVState:
+        """Prefill ``tokens`` once (reusing any cached prefix) and hold their K/V."""
+        tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
+        if not tokens:
+            raise ValueError("materialize needs at least one token")
+        state, _, _ = self._prefill(tokens, "materialize", ())
+        return state
+
+    def fork(self, state: KVState, k: int) -> list[KVState]:
+        """k children sharing every block of ``state``; no tensor is copied."""
+        self._check(state)
+        if k < 1:
+            raise ValueError("fork needs k >= 1")
+        children = [state.derive("fork", (state.state_id,), branch=i, of=k) for i in range(k)]
+        return [self._register(c) for c in children]
+
+    def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
+        """``state`` followed by ``tokens``: only the new tokens are prefilled."""
+        self._check(state)
+        if not tokens:
+            raise ValueError("extend needs at least one token")
+        new, _, _ = self._prefill(list(state.tokens) + list(tokens), "extend", (state,))
+        return new
+
+    def resume(
+        self,
+        state: KVState,
+        suffix: Sequence[int] = (),
+        max_new_tokens: int = 32,
+        sampling: SamplingParams = GREEDY,
+        stream: int = 0,
+        return_logits: bool = False,
+    ) -> Generation:
+        """Prefill only ``suffix`` on top of ``state``, decode, and return a continuation state."""
+        self._check(state)
+        if max_new_tokens < 1:
+            raise ValueError("resume generates at least one token; use extend to only prefill")
+        compat.check_positions(state.length, len(suffix), max_new_tokens, self.runner.max_positions)
+        tokens = list(state.tokens) + list(suffix)
+        new, out, reused = self._prefill(
+            tokens,
+            "resume",
+            (state,),
+            max_new_tokens,
+            sampling=sampling,
+            stream=stream,
+            return_logits=return_logits,
+        )
+        out.metrics.tokens_reused = reused
+        return Generation(
+            out.generated, self.decode(out.generated), out.logits, out.metrics, new, new.own_blocks(state)
+        )
+
+    def merge(self, a: KVState, b: KVState, how: str = "auto") -> KVState:
+        """Combine two states only in ways that stay exact.
+
+        concat: ``b`` was computed on top of exactly ``a`` (contiguous positions, equal block
+        chain, shared lineage) - the result is b's blocks, nothing recomputed.
+        text: b's tokens past the common prefix are re-prefilled after ``a`` (a text-level
+        reduction); exact because they now attend to a's tokens.
+        auto: concat when provable, text otherwise. Different models/tokenizers always raise.
+        """
+        self._check(a)
+        self._check(b)
+        compat.check_pair(a, b)
+        if how not in ("auto", "concat", "text"):
+            raise ValueError(f"merge how={how!r}; expected auto, concat or text")
+        if how in ("auto", "concat"):
+            try:
+                compat.check_concat(a, b)
+                return self._register(b.derive("merge", (a.state_id, b.state_id), how="concat"))
+            except MergeError:
+                if how == "concat":
+                    raise
+        p = common_prefix_len(a.tokens, b.tokens)
+        extra = list(b.tokens[p:])
+        if not extra:
+            raise MergeError(f"cannot merge {a.state_id} and {b.state_id}", ["b adds nothing after a"])
+        state, _, _ = self._prefill(
+            list(a.tokens) + extra, "merge", (a, b), detail={"how": "text", "reduced_tokens": len(extra)}
+        )
+        return state
+
+    def release(self, state: KVState) -> int:
+        """Drop ``state``; blocks no other live state holds are freed. Returns bytes freed."""
+        freed = self.store.release(state)
+        for key in freed:
+            self.index.remove(key)
+        self._states.pop(state.state_id, None)
+        return sum(freed.values())
+
+    def _register(self, state: KVState) -> KVState:
+        self._states[state.state_id] = self.store.register(state)
+        return state
+
+    # -- baseline -----------------------------------------------------------------------
+    def generate_text(
+        self,
+        tokens: Sequence[int] | str,
+        max_new_tokens: int = 32,
+        sampling: SamplingParams = GREEDY,
+        stream: int = 0,
+        return_logits: bool = False,
+    ) -> Generation:
+        """Text mode: prefill the whole prompt from nothing, as if no state existed."""
+        tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
+        compat.check_tokens(tokens, self.runner.vocab_size)
+        compat.check_positions(0, len(tokens), max_new_tokens, self.runner.max_positions)
+        out = self.runner.run(
+            [], 0, tokens, max_new_tokens, sampling=sampling, stream=stream, return_logits=return_logits, export=False
+        )
+        return Generation(out.generated, self.decode(out.generated), out.logits, out.metrics)

@@ -1,0 +1,31 @@
+"""Errors raised when reuse cannot be proven safe. Each says what differs, never just 'invalid'."""
+
+from __future__ import annotations
+
+
+class DaskflowKVError(Exception):
+    """Base class for every error daskflow-kv raises on purpose."""
+
+
+class IncompatibleStateError(DaskflowKVError):
+    """A KV state was used with a model, tokenizer, dtype or position it was not made for."""
+
+    def __init__(self, what: str, differences: list[str]):
+        self.differences = differences  # one "field: ours != theirs" line per mismatch
+        super().__init__(f"{what}: " + "; ".join(differences))
+
+
+class MergeError(IncompatibleStateError):
+    """Two states cannot be combined exactly (divergent, non-contiguous or unrelated)."""
+
+
+class StateReleasedError(DaskflowKVError):
+    """The state (or one of its blocks) was released or evicted and is no longer held."""
+
+
+class ContextTooLongError(DaskflowKVError):
+    """Prompt plus generation would run past the model's maximum positions."""
+
+
+class WorkflowError(DaskflowKVError):
+    """A workflow spec is malformed (cycle, unknown agent, missing context, ...)."""

@@ -1,0 +1,50 @@
+import os
+
+import pytest
+import torch
+
+# Tests run on 2 cores next to Dask worker processes: keep torch from oversubscribing.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ["tiny-llama", "tiny-qwen2"]
+DTYPES = ["float32", "bfloat16"]
+
+_engines = {}
+
+
+def make_engine(model="tiny-llama", dtype="float32", block_size=16, namespace=""):
+    """A fresh engine (own block store) over a process-wide cached model."""
+    from daskflow_kv.engine import Engine
+
+    return Engine(model=model, dtype=dtype, block_size=block_size, namespace=namespace)
+
+
+@pytest.fixture
+def engine_factory():
+    return make_engine
+
+
+@pytest.fixture(params=[(a, d) for a in ARCHS for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
+def engine(request):
+    arch, dtype = request.param
+    return make_engine(arch, dtype)
+
+
+CONTEXT = (
+    "The shared context is prefilled once and every agent resumes from the same key value cache. "
+    "Agents debate, plan, retrieve and judge; each one reads what the others wrote."
+)
+SUFFIXES = [
+    " Branch one asks: what is shared?",
+    " Branch two: plan the next step of the workers and the scheduler.",
+    " Three.",
+    " Branch four wants a much longer suffix so the ragged lengths differ: tree of thought, debate, judge.",
+]
+
+
+def assert_same_generation(state_gen, text_gen, rtol=1e-4):
+    """Exact greedy tokens; logits equal within a relative tolerance of their scale."""
+    assert state_gen.tokens == text_gen.tokens
+    if state_gen.logits is not None and text_gen.logits is not None:
+        scale = text_gen.logits.abs().max()
+        assert float((state_gen.logits - text_gen.logits).abs().max()) <= rtol * float(scale)

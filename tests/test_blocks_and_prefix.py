@@ -1,0 +1,67 @@
+"""Pure block arithmetic and prefix lookup: no model, no tensors."""
+
+import pytest
+
+from daskflow_kv.blocks import BlockRef, aligned_floor, block_key, chain_keys, split_spans
+from daskflow_kv.prefix_index import PrefixIndex
+
+FP = "fingerprint-a"
+
+
+def _index(tokens, block_size, fp=FP):
+    idx = PrefixIndex()
+    parent = None
+    for key, s, e in chain_keys(fp, tokens, block_size):
+        idx.add(BlockRef(key, s, tuple(tokens[s:e]), 0), parent, fp)
+        parent = key
+    return idx
+
+
+def test_equal_prefixes_give_equal_keys_and_divergence_changes_all_later_keys():
+    a = list(range(40))
+    b = list(range(20)) + [99] + list(range(21, 40))
+    ka, kb = chain_keys(FP, a, 8), chain_keys(FP, b, 8)
+    assert ka[:2] == kb[:2]
+    assert all(x[0] != y[0] for x, y in zip(ka[2:], kb[2:]))  # chained: block 2 differs, so do 3, 4
+
+
+def test_keys_depend_on_fingerprint_and_partial_blocks_differ_from_full():
+    assert block_key("m1", None, [1, 2]) != block_key("m2", None, [1, 2])
+    assert block_key(FP, None, [1, 2, 3]) != block_key(FP, None, [1, 2])
+
+
+def test_spans_are_aligned():
+    assert split_spans(16, 45, 16) == [(16, 32), (32, 45)]
+    assert aligned_floor(45, 16) == 32
+    with pytest.raises(ValueError):
+        split_spans(5, 20, 16)
+
+
+def test_longest_prefix_full_blocks_then_token_level_tail():
+    cached = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + a partial of 2
+    idx = _index(cached, 16)
+    req = cached[:40] + [7, 7, 7]
+    m = idx.longest_prefix(FP, req, 16)
+    assert m.tokens == 40 and len(m.blocks) == 3 and m.blocks[-1].start == 32
+
+
+def test_longest_prefix_other_fingerprint_matches_nothing():
+    idx = _index(list(range(50)), 16)
+    assert idx.longest_prefix("other", list(range(50)), 16).tokens == 0
+
+
+def test_longest_prefix_picks_the_best_sibling():
+    idx = _index([1] * 16 + [2, 3, 4], 16)
+    parent = chain_keys(FP, [1] * 16, 16)[0][0]
+    sib = [1] * 16 + [2, 3, 9, 9, 9]
+    key = block_key(FP, parent, sib[16:])
+    idx.add(BlockRef(key, 16, tuple(sib[16:]), 0), parent, FP)
+    assert idx.longest_prefix(FP, [1] * 16 + [2, 3, 9, 5], 16).tokens == 19
+
+
+def test_remove_forgets_blocks():
+    tokens = list(range(32))
+    idx = _index(tokens, 16)
+    for key, _, _ in chain_keys(FP, tokens, 16):
+        idx.remove(key)
+    assert len(idx) == 0 and idx.longest_prefix(FP, tokens, 16).tokens == 0
