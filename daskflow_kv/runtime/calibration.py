@@ -1,0 +1,66 @@
+"""Probes that give the cost model measurements before any workflow has run.
+
+Bandwidth: a real payload of ``probe_bytes`` made on one worker and read by a task on
+another; the figure is the receiver's own transfer record (Dask's ``transfer_incoming_log``),
+not a timer around the call. Prefill: a real prefill of a few sizes on every worker, which
+reports its timing to the scheduler plugin like any other prefill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+from distributed import wait
+
+from ..sampling import GREEDY
+from . import tasks
+
+
+def _transfer_record(dask_worker, key):
+    for entry in reversed(dask_worker.transfer_incoming_log):
+        if key in entry["keys"]:
+            return {"total": entry["total"], "duration": entry["duration"], "who": entry["who"]}
+    return None
+
+
+def measure_bandwidth(client, src: str, dst: str, nbytes: int) -> float:
+    payload = client.submit(tasks.probe_bytes, nbytes, workers=[src], pure=False)
+    wait(payload)
+    reader = client.submit(tasks.touch, payload, workers=[dst], allow_other_workers=False, pure=False)
+    reader.result()
+    rec = client.run(_transfer_record, key=payload.key, workers=[dst])[dst]
+    del payload, reader
+    if rec is None:
+        raise RuntimeError(f"no transfer of the probe was recorded on {dst}")
+    return rec["total"] / max(rec["duration"], 1e-6)
+
+
+def measure_prefill(runtime, worker: str, sizes=(32, 128, 256)) -> None:
+    rng = random.Random(0)
+    for n in sizes:
+        n = min(n, runtime.facts.max_positions - 1)
+        tokens = [rng.randrange(3, runtime.facts.vocab_size) for _ in range(n)]
+        runtime.client.submit(tasks.prefill, runtime.spec, tokens, 0, 0, GREEDY, 0, False,
+                              workers=[worker], pure=False).result()
+
+
+def calibrate(runtime, probe_bytes: int = 32 << 20, probe_tokens: int = 256) -> dict:
+    """Measure every worker pair's bandwidth and every worker's prefill speed."""
+    client = runtime.client
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    bandwidth = {}
+    for src, dst in itertools.permutations(workers, 2):
+        bw = measure_bandwidth(client, src, dst, probe_bytes)
+        runtime._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=bw)
+        bandwidth[f"{src}->{dst}"] = bw
+    for w in workers:
+        measure_prefill(runtime, w, sizes=(probe_tokens // 8, probe_tokens // 2, probe_tokens))
+    deadline = time.time() + 10  # worker events reach the scheduler asynchronously
+    while time.time() < deadline:
+        profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
+        if all(w in profiles for w in workers):
+            break
+        time.sleep(0.05)
+    return {"bandwidth": bandwidth, "prefill_profiles": profiles}

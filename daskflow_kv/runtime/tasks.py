@@ -1,0 +1,177 @@
+"""Functions that run inside Dask tasks on workers.
+
+A prefill task returns a ``PrefillOutput`` holding the new block tensors; one cheap
+``take_block`` task per block then publishes each block under its content-addressed key,
+on the same worker, sharing the tensor (no copy). The model is loaded once per worker
+process (``get_runner``) and every prefill reports its timing to the scheduler plugin,
+which fits the prefill profile the cost model uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model_runner import ModelRunner
+from ..sampling import GREEDY, SamplingParams
+from .serialization import register_torch_serialization
+
+register_torch_serialization()  # workers unpickle this module before any block arrives
+
+PREFILL_TOPIC = "daskflow-kv-prefill"  # worker -> scheduler timing events
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Everything a worker needs to load the same model and agree on block keys."""
+
+    model: str  # name, path or hub id (see models.loader)
+    dtype: str = "float32"
+    block_size: int = 64
+    namespace: str = ""
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    fingerprint: object  # Fingerprint of the model as loaded on workers
+    bytes_per_token: int  # KV bytes per token, all layers
+    max_positions: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    generated: list[int]  # sampled tokens (empty for a pure prefill)
+    metrics: dict  # RunMetrics.as_dict()
+    blocks: list[torch.Tensor]  # new blocks, from the aligned floor of the reused prefix
+    spans: list[tuple[int, int]]  # token span of each new block
+    worker: str  # address that ran it
+    logits: torch.Tensor | None = None  # [generated, vocab] when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """The small, tensor-free part of a prefill: safe to gather to the client."""
+
+    generated: list[int]
+    metrics: dict = field(hash=False)
+    worker: str = ""
+    logits: torch.Tensor | None = field(default=None, hash=False)
+
+
+def _default_device(spec: ModelSpec) -> str:
+    if spec.device != "auto":
+        return spec.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=4)
+def _runner(spec: ModelSpec) -> ModelRunner:
+    from ..models.loader import load_model
+
+    lm = load_model(spec.model, dtype=spec.dtype, device=_default_device(spec))
+    return ModelRunner(lm.model, lm.tokenizer, lm.model_id, spec.block_size, spec.namespace)
+
+
+def get_runner(spec: ModelSpec) -> ModelRunner:
+    with _LOAD_LOCK:  # one load per process even when several worker threads ask at once
+        return _runner(spec)
+
+
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return f"local-{os.getpid()}"
+
+
+def _report(event: dict) -> None:
+    try:
+        from distributed import get_worker
+
+        get_worker().log_event(PREFILL_TOPIC, event)
+    except ValueError:
+        pass  # not inside a worker (direct call in tests): nothing to report to
+
+
+def model_facts(spec: ModelSpec) -> ModelFacts:
+    r = get_runner(spec)
+    return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids))
+
+
+def prefill(
+    spec: ModelSpec,
+    tokens: list[int],
+    reused: int,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stream: int,
+    return_logits: bool,
+    *prefix_blocks: torch.Tensor,
+) -> PrefillOutput:
+    """Prefill ``tokens[reused:]`` on top of ``prefix_blocks`` (which hold >= reused tokens)."""
+    runner = get_runner(spec)
+    t0 = time.perf_counter()
+    out = runner.run(
+        list(prefix_blocks), reused, list(tokens[reused:]), max_new_tokens, sampling or GREEDY, stream, return_logits
+    )
+    worker = _worker_address()
+    _report(
+        {
+            "worker": worker,
+            "new_tokens": len(tokens) - reused,
+            "prefix_tokens": reused,
+            "seconds": out.metrics.prefill_s,
+            "load_seconds": out.metrics.load_s,
+            "task_seconds": time.perf_counter() - t0,
+        }
+    )
+    return PrefillOutput(
+        out.generated,
+        out.metrics.as_dict(),
+        [b for _, _, b in out.new_blocks],
+        [(s, e) for s, e, _ in out.new_blocks],
+        worker,
+        out.logits,
+    )
+
+
+def take_block(output: PrefillOutput, index: int) -> torch.Tensor:
+    return output.blocks[index]
+
+
+def take_result(output: PrefillOutput) -> GenerationResult:
+    return GenerationResult(list(output.generated), dict(output.metrics), output.worker, output.logits)
+
+
+def cut_block(block: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` tokens of a block (a cached prefix that ends mid-block)."""
+    return block[:, :, :, :tokens].contiguous()
+
+
+def text_generate(
+    spec: ModelSpec, tokens: list[int], max_new_tokens: int, sampling: SamplingParams, stream: int, return_logits: bool
+) -> GenerationResult:
+    """Text mode on a worker: the whole prompt prefilled from nothing, nothing kept."""
+    out = get_runner(spec).run([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False)
+    return GenerationResult(out.generated, out.metrics.as_dict(), _worker_address(), out.logits)
+
+
+def probe_bytes(nbytes: int) -> torch.Tensor:
+    """A calibration payload: measures worker-to-worker bandwidth with real frames."""
+    return torch.zeros(nbytes // 4, dtype=torch.float32)
+
+
+def touch(*tensors: torch.Tensor) -> int:
+    """Depends on its inputs (so Dask moves them here) and returns their byte count."""
+    return sum(t.numel() * t.element_size() for t in tensors)

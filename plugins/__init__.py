@@ -1,0 +1,1 @@
+"""Dask plugins of daskflow-kv, installed as ``daskflow_kv.plugins``."""

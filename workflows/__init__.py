@@ -1,0 +1,1 @@
+"""Runnable example workflows, installed as ``daskflow_kv.workflows``."""
