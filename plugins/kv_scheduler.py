@@ -5,19 +5,27 @@ This plugin adds what Dask does not know about KV cache:
 
 * a catalog of blocks and states (token ranges, chains, reuse, lifecycle), exported as rows
   or an Arrow table, and a prefix index so any client finds the longest cached prefix;
+* acquisition: a lookup hands the caller's client a reference to every matched block in
+  the same event-loop tick (``client_desires_keys``, as ``Variable.get`` does), so a block
+  found in the cache cannot be evicted before the client holds its future, and a released
+  block that is needed again is recomputed by Dask from its lineage;
 * locality: a KV-consuming task runs where its blocks live unless the plan says transfer
-  (set as loose worker restrictions in ``update_graph``, so a dead worker's tasks can
-  still run elsewhere and Dask recomputes the lost blocks from lineage);
-* retention: published blocks are held by a scheduler-side pseudo-client, so a prefix
+  (loose worker restrictions set in ``update_graph``, so a dead worker's tasks still run
+  elsewhere and Dask recomputes the lost blocks from lineage);
+* retention: published blocks are also wanted by a scheduler-side pseudo-client, so a prefix
   outlives the workflow that made it and the next one reuses it;
-* eviction: per-worker KV byte budget, enforced by releasing the least valuable blocks
-  that no live state or task references;
+* eviction: per-worker KV byte budget, enforced by dropping the least valuable blocks no
+  live state, running task or fresh lookup references (the pseudo-client lets go of them);
 * profiles: prefill timings reported by workers, fitted per worker for the cost model, and
   bandwidth per worker pair from Dask's own transfer measurements or a calibration probe;
-* an Active Memory Manager policy that no longer drops KV replicas the plan placed.
+* an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
+  their replicas are placed on purpose (the budget, not the AMM, decides when they go).
 
-Load it with ``client.register_plugin(KVSchedulerPlugin())`` or ``dask scheduler
---preload daskflow_kv.plugins.kv_scheduler``.
+Lifecycle events (materialize, fork, resume, extend, merge, transfer, recompute, evict, lost,
+release) go to the Dask event log under ``EVENT_TOPIC`` (``client.get_events("daskflow-kv")``).
+
+Load it with ``client.register_plugin(KVSchedulerPlugin())`` or
+``dask scheduler --preload daskflow_kv.plugins.kv_scheduler [--kv-budget 2GiB]``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import logging
 import time
 from collections import defaultdict, deque
 
-from distributed.active_memory_manager import ReduceReplicas
+import click
+from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.scheduler import ClientState
 from tornado.ioloop import PeriodicCallback
@@ -41,32 +50,53 @@ CACHE_CLIENT = "daskflow-kv-cache"  # pseudo-client that keeps published blocks 
 EVENT_TOPIC = "daskflow-kv"  # lifecycle events, visible through client.get_events
 PREFILL_TOPIC = "daskflow-kv-prefill"  # timings reported by workers (see runtime.tasks)
 PLUGIN_NAME = "daskflow-kv"
+BLOCK_PREFIX = "kvblock-"  # every content-addressed block key starts with it
 _MAX_SAMPLES = 64  # prefill samples kept per worker for the profile fit
+_NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
 
 
 class KVAwareReduceReplicas(ReduceReplicas):
-    """Dask's ReduceReplicas, minus KV blocks: their replicas are placed on purpose."""
+    """Dask's ReduceReplicas for every key except KV blocks, whose replicas are placed on purpose."""
 
     def run(self):
-        for suggestion in super().run():
-            if not str(suggestion.ts.key).startswith("kvblock-"):
-                yield suggestion
+        gen = super().run()
+        sent = None
+        while True:  # forward what the AMM sends back, as the wrapped generator expects
+            try:
+                suggestion: Suggestion = gen.send(sent)
+            except StopIteration:
+                return
+            sent = None
+            if not str(suggestion.ts.key).startswith(BLOCK_PREFIX):
+                sent = yield suggestion
 
 
 class KVSchedulerPlugin(SchedulerPlugin):
     name = PLUGIN_NAME
+    idempotent = True  # registering again (another client, a preload) keeps the running one
 
-    def __init__(self, kv_budget_bytes: int | None = None, memory_weight: float = 0.0, evict_interval: float = 0.2):
+    def __init__(
+        self,
+        kv_budget_bytes: int | None = None,
+        memory_weight: float = 0.0,
+        evict_interval: float = 0.2,
+        lease_seconds: float = 30.0,
+    ):
         self.kv_budget_bytes = kv_budget_bytes  # per worker; None = unbounded
         self.memory_weight = memory_weight  # lambda: seconds charged per byte placed on a worker
         self.evict_interval = evict_interval  # seconds between budget checks
+        self.lease_seconds = lease_seconds  # a looked-up block is not evicted for this long
         self.catalog = KVCatalog()
         self.samples: dict[str, deque] = defaultdict(lambda: deque(maxlen=_MAX_SAMPLES))
         self.probed_bandwidth: dict[tuple[str, str], float] = {}  # (src, dst) -> bytes/s
         self.decisions: deque = deque(maxlen=256)  # recent cost-model decisions, newest last
         self.events: deque = deque(maxlen=1024)  # recent lifecycle events
         self.scheduler = None
-        self._dirty = False  # a block entered memory since the last budget check
+        self._dirty = False  # something changed since the last budget check (or still over)
+        self._leases: dict[str, float] = {}  # key -> time until which eviction leaves it alone
+        self._evicting: set[str] = set()  # keys released by the budget, until Dask confirms
+        self._lost_cache_only: set[str] = set()  # lost with a dead worker, wanted only by the cache
+        self._over_budget: set[str] = set()  # workers over budget with only pinned blocks left
         self._pc: PeriodicCallback | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -76,8 +106,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers.update(
             {
                 "kv_lookup": self.handle_lookup,
+                "kv_acquire": self.handle_acquire,
                 "kv_snapshot": self.handle_snapshot,
-                "kv_register_state": self.handle_register_state,
+                "kv_register_states": self.handle_register_states,
                 "kv_release_state": self.handle_release_state,
                 "kv_catalog": self.handle_catalog,
                 "kv_counters": self.handle_counters,
@@ -92,7 +123,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 if type(policy) is ReduceReplicas:
                     amm.policies.discard(policy)
                     amm.add_policy(KVAwareReduceReplicas())
-        self._pc = PeriodicCallback(self._enforce_budgets, self.evict_interval * 1000)
+        self._pc = PeriodicCallback(self._tick, self.evict_interval * 1000)
         self._pc.start()
 
     async def close(self) -> None:
@@ -106,9 +137,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     # -- graph ----------------------------------------------------------------------------
     def update_graph(self, scheduler, *, client, keys, tasks, annotations, priority, stimulus_id, **kwargs) -> None:
-        kv = annotations.get("kv", {})
         published = []
-        for key, note in kv.items():
+        for key, note in annotations.get("kv", {}).items():
             ts = scheduler.tasks.get(key)
             if ts is None or not isinstance(note, dict):
                 continue
@@ -122,113 +152,195 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     def _place(self, ts, note: dict) -> None:
         """Restrict a KV-consuming task to the plan's worker, or to where its blocks live."""
+        reads = note.get("reads", ())
         target = note.get("target")
-        reads = [self.scheduler.tasks.get(k) for k in note.get("reads", ())]
         if target is None:
             held: dict[str, int] = defaultdict(int)
-            for dts in reads:
+            for k in reads:
+                dts = self.scheduler.tasks.get(k)
                 for ws in (dts.who_has or ()) if dts is not None else ():
-                    held[ws.address] += dts.nbytes
-            target = max(held, key=held.get) if held else None
+                    held[ws.address] += dts.get_nbytes()
+            target = max(sorted(held), key=held.get) if held else None
         if target is not None and target in self.scheduler.workers:
             # Loose: if that worker dies, the task may run elsewhere (recompute from lineage).
             ts.worker_restrictions = {target}
             ts.loose_restrictions = True
-        for k in note.get("reads", ()):
+        for k in reads:
             self.catalog.touch(k)
+        op = note.get("op", "compute")
+        self._event(op + "-task", key=str(ts.key), worker=target, state_id=note.get("state_id"), reads=len(reads))
         decision = note.get("decision")
-        if decision:
-            self.decisions.append(decision)
-            if decision.get("action") == "transfer":
-                self.catalog.count("transfers")
-                self.catalog.count("bytes_transferred", decision.get("nbytes", 0))
-            elif decision.get("action") == "recompute":
-                self.catalog.count("recomputes")
-        self._event(note.get("op", "compute"), key=str(ts.key), worker=target, state_id=note.get("state_id"))
+        if not decision:
+            return
+        self.decisions.append(decision)
+        if not note.get("first"):  # one destination pays once, whatever its branch count
+            return
+        if decision.get("action") == "transfer":
+            self.catalog.count("transfers")
+            self.catalog.count("bytes_transferred", decision.get("nbytes", 0))
+            self._event("transfer", src=decision.get("src"), dst=decision.get("dst"), nbytes=decision.get("nbytes"),
+                        keys=list(reads), state_id=note.get("state_id"))
+        elif decision.get("action") == "recompute":
+            self.catalog.count("recomputes")
+            self._event("recompute", reason="cost-model", dst=decision.get("dst"),
+                        tokens=decision.get("missing_tokens"), state_id=note.get("state_id"))
 
-    def transition(self, key, start, finish, *args, **kwargs) -> None:
+    def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         entry = self.catalog.blocks.get(key)
         if entry is None:
             return
         if finish == "memory":
-            if entry.status in ("lost", "evicted", "released") and entry.status != "pending":
-                entry.recomputes += 1
-                self.catalog.count("recomputes")
-                self._event("recompute", key=key)
-            entry.status = "memory"
+            if self.catalog.entered_memory(key):
+                ts = self.scheduler.tasks.get(key)
+                where = [ws.address for ws in (ts.who_has or ())] if ts is not None else []
+                self._event("recompute", reason="lineage", key=key, workers=where)
             self._dirty = True
-        elif start == "memory" and finish == "released":
+        elif start == "memory":
             ts = self.scheduler.tasks.get(key)
-            wanted = ts is not None and bool(ts.who_wants)
-            if entry.status != "evicted":
-                self.catalog.mark(key, "lost" if wanted else "released")
-                if wanted:  # a worker died holding it; Dask recomputes it from its run spec
-                    self.catalog.index.add(*_index_args(entry, self.catalog))
+            wanted = ts is not None and bool(ts.who_wants or ts.waiters)
+            if key in self._evicting:
+                self._evicting.discard(key)
+                self.catalog.set_status(key, "evicted")
+            elif wanted:  # its worker died; Dask recomputes it from its run spec
+                self.catalog.set_status(key, "lost")
+                self._event("lost", key=key)
+                if {cs.client_key for cs in ts.who_wants or ()} <= {CACHE_CLIENT} and not ts.waiters:
+                    self._lost_cache_only.add(key)  # nobody but the cache needs it: see remove_worker
+            else:
+                self.catalog.set_status(key, "released")
+            if finish == "forgotten":
+                self.catalog.forget(key)
         elif finish == "forgotten":
-            if entry.status not in ("evicted",):
-                self.catalog.mark(key, "released")
+            self.catalog.forget(key)
+        elif finish == "waiting" and entry.computed:
+            self.catalog.set_status(key, "recomputing")
+        elif finish == "erred":
+            self.catalog.set_status(key, "erred")
             self.catalog.index.remove(key)
 
     def log_event(self, topic, msg) -> None:
-        if topic == PREFILL_TOPIC and isinstance(msg, dict) and msg.get("new_tokens"):
-            self.samples[msg["worker"]].append(
-                PrefillSample(msg["new_tokens"], msg.get("prefix_tokens", 0), msg["seconds"])
-            )
+        if topic != PREFILL_TOPIC or not isinstance(msg, dict) or not msg.get("new_tokens"):
+            return
+        self.samples[msg["worker"]].append(PrefillSample(msg["new_tokens"], msg.get("prefix_tokens", 0), msg["seconds"]))
+        if msg.get("op") != "calibrate":
             self.catalog.count("tokens_computed", msg["new_tokens"])
             self.catalog.count("tokens_reused", msg.get("prefix_tokens", 0))
 
-    def remove_worker(self, scheduler, worker, **kwargs) -> None:
+    def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
+        # Runs after Dask's own transitions: blocks only the cache wanted are not worth
+        # recomputing now; they stay in lineage and come back if a lookup asks for them.
         self.samples.pop(worker, None)
-        self._event("worker-lost", worker=worker)
+        self._over_budget.discard(worker)
+        drop = [k for k in self._lost_cache_only if self._cache_only(k) and scheduler.tasks[k].state != "memory"]
+        self._lost_cache_only.clear()
+        for k in drop:
+            self.catalog.set_status(k, "released")
+        if drop:
+            scheduler.client_releases_keys(drop, CACHE_CLIENT, stimulus_id=f"kv-drop-lost-{time.time()}")
+        self._event("worker-lost", worker=worker, dropped=len(drop))
+
+    def _cache_only(self, key) -> bool:
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or ts.waiters:
+            return False
+        wanters = {cs.client_key for cs in ts.who_wants or ()}
+        return CACHE_CLIENT in wanters and wanters <= {CACHE_CLIENT}
+
+    # -- acquisition ----------------------------------------------------------------------
+    def _acquire(self, keys: list[str], client: str | None) -> dict[str, str]:
+        """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state."""
+        tasks = self.scheduler.tasks
+        known = [k for k in dict.fromkeys(keys) if k in tasks and tasks[k].state not in _NOT_USABLE]
+        if not known:
+            return {}
+        now = time.time()
+        for k in known:
+            self._leases[k] = now + self.lease_seconds
+        if client is not None:
+            self.scheduler.client_desires_keys(known, client)
+        self.scheduler.client_desires_keys([k for k in known if k in self.catalog.blocks], CACHE_CLIENT)
+        recompute = {k: "waiting" for k in known if tasks[k].state == "released"}
+        if recompute:  # needed again after it left memory: Dask recomputes it from lineage
+            self.scheduler.transitions(recompute, stimulus_id=f"kv-acquire-{now}")
+        return {k: tasks[k].state for k in known}
+
+    def _where(self, ts) -> list[str]:
+        """Workers that hold the key, or the one expected to compute it (following take_block)."""
+        for _ in range(3):
+            if ts.who_has:
+                return sorted(ws.address for ws in ts.who_has)
+            if ts.processing_on is not None:
+                return [ts.processing_on.address]
+            if ts.worker_restrictions:
+                return sorted(w for w in ts.worker_restrictions if w in self.scheduler.workers)
+            if len(ts.dependencies) != 1:  # a block's only input is the prefill that made it
+                break
+            ts = next(iter(ts.dependencies))
+        return []
 
     # -- eviction -------------------------------------------------------------------------
     def kv_bytes_by_worker(self) -> dict[str, int]:
-        out = {}
-        for addr, ws in self.scheduler.workers.items():
-            out[addr] = sum(ts.nbytes for ts in ws.has_what if ts.key in self.catalog.blocks)
-        return out
+        return {
+            addr: sum(ts.get_nbytes() for ts in ws.has_what if ts.key in self.catalog.blocks)
+            for addr, ws in self.scheduler.workers.items()
+        }
 
-    def _pinned(self, ts) -> bool:
-        wanters = {cs.client_key for cs in ts.who_wants or ()} - {CACHE_CLIENT}
-        return bool(wanters) or bool(ts.waiters) or any(d.state == "processing" for d in ts.dependents or ())
+    def _pinned(self, ts, now: float) -> bool:
+        """A block this worker must keep: leased, read by a waiting/running task, or held by a state."""
+        if self._leases.get(ts.key, 0.0) > now or ts.waiters:
+            return True
+        if len(ts.who_has or ()) > 1:  # an extra replica: the states keep the other copy
+            return False
+        return any(cs.client_key != CACHE_CLIENT for cs in ts.who_wants or ())
+
+    def _tick(self) -> None:
+        now = time.time()
+        self._leases = {k: t for k, t in self._leases.items() if t > now}
+        try:
+            self._enforce_budgets()
+        except Exception:  # never let a bug here take the scheduler's loop down
+            logger.exception("daskflow-kv budget check failed")
 
     def _enforce_budgets(self, force: bool = False) -> list[str]:
         if self.kv_budget_bytes is None or not (self._dirty or force):
             return []
         self._dirty = False
-        evicted = []
         now = time.time()
+        stimulus = f"kv-evict-{now}"
+        evicted = []
         for addr, ws in list(self.scheduler.workers.items()):
             kv_tasks = [ts for ts in ws.has_what if ts.key in self.catalog.blocks]
-            used = sum(ts.nbytes for ts in kv_tasks)
+            used = sum(ts.get_nbytes() for ts in kv_tasks)
             if used <= self.kv_budget_bytes:
+                self._over_budget.discard(addr)
                 continue
-            usage = [
-                BlockUsage(
-                    key=ts.key,
-                    nbytes=ts.nbytes,
-                    last_access=self.catalog.blocks[ts.key].last_access,
-                    reuse_count=self.catalog.blocks[ts.key].reuse_count,
-                    pinned=self._pinned(ts),
-                    parent=self.catalog.blocks[ts.key].parent,
-                )
-                for ts in kv_tasks
-            ]
+            usage = []
+            for ts in kv_tasks:
+                e = self.catalog.blocks[ts.key]
+                usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
+                                        self._pinned(ts, now), e.parent, e.start))
             plan = choose_victims(usage, used, self.kv_budget_bytes, now)
-            if plan.over_budget_pinned:
-                logger.warning("worker %s holds %d KV bytes, over budget, all pinned", addr, plan.remaining_bytes)
-            stimulus = f"kv-evict-{now}"
             for key in plan.victims:
                 ts = self.scheduler.tasks[key]
                 if len(ts.who_has or ()) > 1:  # drop this worker's replica only
                     self.scheduler.request_remove_replicas(addr, [key], stimulus_id=stimulus)
                 else:
-                    self.catalog.mark(key, "evicted")
+                    self._evicting.add(key)
                     self.scheduler.client_releases_keys([key], CACHE_CLIENT, stimulus_id=stimulus)
                 self.catalog.count("evictions")
-                self.catalog.count("bytes_evicted", ts.nbytes)
-                self._event("evict", key=key, worker=addr, nbytes=ts.nbytes)
+                self.catalog.count("bytes_evicted", ts.get_nbytes())
+                self._event("evict", key=key, worker=addr, nbytes=ts.get_nbytes())
                 evicted.append(key)
+            if plan.over_budget_pinned:
+                self._dirty = True  # check again: pinned blocks become evictable when released
+                if addr not in self._over_budget:
+                    self._over_budget.add(addr)
+                    logger.warning("worker %s holds %d KV bytes, over its budget, all pinned", addr,
+                                   plan.remaining_bytes)
+                    self._event("over-budget", worker=addr, nbytes=plan.remaining_bytes)
+            else:
+                self._over_budget.discard(addr)
+        self._evicting &= set(self.scheduler.tasks)  # keys Dask dropped some other way
         return evicted
 
     # -- profiles -------------------------------------------------------------------------
@@ -248,11 +360,20 @@ class KVSchedulerPlugin(SchedulerPlugin):
         return out
 
     # -- handlers (client RPC) ------------------------------------------------------------
-    def handle_lookup(self, fingerprint: str, tokens: list[int], block_size: int) -> dict:
+    def handle_lookup(self, fingerprint: str, tokens: list[int], block_size: int, client: str | None = None) -> dict:
+        """Longest cached prefix of ``tokens``, acquired for ``client`` before this returns."""
         match = self.catalog.lookup(fingerprint, tokens, block_size)
-        blocks = []
-        for b in match.blocks:
+        usable = []
+        for b in match.blocks:  # stop at the first block Dask cannot give back
             ts = self.scheduler.tasks.get(b.key)
+            if ts is None or ts.state in _NOT_USABLE:
+                break
+            usable.append(b)
+        covered = match.tokens if len(usable) == len(match.blocks) else (usable[-1].end if usable else 0)
+        states = self._acquire([b.key for b in usable], client)
+        blocks = []
+        for b in usable:
+            ts = self.scheduler.tasks[b.key]
             blocks.append(
                 {
                     "key": b.key,
@@ -260,18 +381,23 @@ class KVSchedulerPlugin(SchedulerPlugin):
                     "end": b.end,
                     "nbytes": b.nbytes,
                     "tokens": list(b.token_ids),
-                    "who_has": [ws.address for ws in (ts.who_has or ())] if ts else [],
-                    "state": ts.state if ts else "forgotten",
+                    "who_has": sorted(ws.address for ws in (ts.who_has or ())),
+                    "where": self._where(ts),
+                    "state": states.get(b.key, ts.state),
                 }
             )
-        return {"tokens": match.tokens, "blocks": blocks}
+        return {"tokens": covered, "blocks": blocks}
+
+    def handle_acquire(self, keys: list[str], client: str | None = None) -> dict[str, str]:
+        return self._acquire(keys, client)
 
     def handle_snapshot(self) -> dict:
         s = self.scheduler
+        kv_bytes = self.kv_bytes_by_worker()
         return {
             "workers": {
-                addr: {"nthreads": ws.nthreads, "processing": len(ws.processing), "kv_bytes": b}
-                for (addr, ws), b in zip(s.workers.items(), self.kv_bytes_by_worker().values())
+                addr: {"nthreads": ws.nthreads, "processing": len(ws.processing), "kv_bytes": kv_bytes[addr]}
+                for addr, ws in s.workers.items()
             },
             "bandwidth": self.bandwidth(),
             "default_bandwidth": s.bandwidth,
@@ -280,26 +406,30 @@ class KVSchedulerPlugin(SchedulerPlugin):
             "memory_weight": self.memory_weight,
         }
 
-    def handle_register_state(self, meta: dict) -> None:
-        self.catalog.add_state(meta)
-        self._event(meta.get("op", "state"), state_id=meta["state_id"], parents=list(meta.get("parents", ())))
+    def handle_register_states(self, metas: list[dict]) -> None:
+        for meta in metas:
+            self.catalog.add_state(meta)
+            self._event(meta.get("op", "state"), state_id=meta["state_id"], parents=list(meta.get("parents", ())),
+                        blocks=len(meta["block_keys"]), tokens=meta.get("tokens", 0), worker=meta.get("worker"),
+                        **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
 
     def handle_release_state(self, state_id: str) -> None:
         self.catalog.release_state(state_id)
+        self._dirty = True
         self._event("release", state_id=state_id)
 
     def handle_catalog(self) -> list[dict]:
-        who_has = {
-            k: [ws.address for ws in (ts.who_has or ())]
-            for k in self.catalog.blocks
-            if (ts := self.scheduler.tasks.get(k)) is not None
-        }
-        refcount = {
-            k: len({cs.client_key for cs in ts.who_wants or ()} - {CACHE_CLIENT}) + len(ts.waiters or ())
-            for k in self.catalog.blocks
-            if (ts := self.scheduler.tasks.get(k)) is not None
-        }
-        return self.catalog.rows(who_has, refcount)
+        tasks = self.scheduler.tasks
+        who_has, refcount, cached = {}, {}, set()
+        for k in self.catalog.blocks:
+            ts = tasks.get(k)
+            if ts is None:
+                continue
+            who_has[k] = sorted(ws.address for ws in (ts.who_has or ()))
+            refcount[k] = len(self.catalog.live_holders.get(k, ())) + len(ts.waiters or ())
+            if any(cs.client_key == CACHE_CLIENT for cs in ts.who_wants or ()):
+                cached.add(k)
+        return self.catalog.rows(who_has, refcount, cached)
 
     def handle_counters(self) -> dict:
         c = dict(self.catalog.counters)
@@ -330,18 +460,14 @@ class KVSchedulerPlugin(SchedulerPlugin):
         return rows_to_arrow(self.handle_catalog())
 
 
-def _index_args(entry, catalog):
-    from daskflow_kv.blocks import BlockRef
-
-    tokens = catalog.index._by_key.get(entry.key)
-    ref = tokens or BlockRef(entry.key, entry.start, (), entry.nbytes)
-    return ref, entry.parent, entry.fingerprint
-
-
-async def dask_setup(scheduler, budget: str | None = None) -> None:
+@click.command()
+@click.option("--kv-budget", default=None, envvar="DASKFLOW_KV_BUDGET", help="per-worker KV bytes, e.g. 2GiB")
+@click.option("--kv-memory-weight", default=0.0, type=float, help="seconds charged per KV byte placed")
+async def dask_setup(scheduler, kv_budget: str | None = None, kv_memory_weight: float = 0.0) -> None:
     """Entry point for ``dask scheduler --preload daskflow_kv.plugins.kv_scheduler``."""
     from dask.utils import parse_bytes
 
+    budget = parse_bytes(kv_budget) if kv_budget else None
     await scheduler.register_scheduler_plugin(
-        KVSchedulerPlugin(kv_budget_bytes=parse_bytes(budget) if budget else None), name=PLUGIN_NAME
+        KVSchedulerPlugin(kv_budget_bytes=budget, memory_weight=kv_memory_weight), name=PLUGIN_NAME, idempotent=True
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .cache_dir import model_cache_dir
 
-BUILDER_VERSION = 3  # bump when the recipe changes, so stale caches are rebuilt
+BUILDER_VERSION = 4  # bump when the recipe changes, so stale caches are rebuilt
 VOCAB_SIZE = 384
 
 # Enough varied English for a byte-level BPE to learn common merges; the exact text only
@@ -38,7 +38,7 @@ TINY_SPECS = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         rope_theta=10000.0,
         seed=1234,
     ),
@@ -50,7 +50,7 @@ TINY_SPECS = {
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=1,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         rope_theta=1000000.0,
         seed=4321,
     ),

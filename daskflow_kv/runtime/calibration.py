@@ -14,7 +14,6 @@ import time
 
 from distributed import wait
 
-from ..sampling import GREEDY
 from . import tasks
 
 
@@ -42,8 +41,9 @@ def measure_prefill(runtime, worker: str, sizes=(32, 128, 256)) -> None:
     for n in sizes:
         n = min(n, runtime.facts.max_positions - 1)
         tokens = [rng.randrange(3, runtime.facts.vocab_size) for _ in range(n)]
-        runtime.client.submit(tasks.prefill, runtime.spec, tokens, 0, 0, GREEDY, 0, False,
-                              workers=[worker], pure=False).result()
+        req = tasks.PrefillRequest(tuple(tokens), 0, op="calibrate")
+        runtime.client.submit(tasks.prefill, runtime.spec, req, workers=[worker], allow_other_workers=False,
+                              pure=False).result()
 
 
 def calibrate(runtime, probe_bytes: int = 32 << 20, probe_tokens: int = 256) -> dict:
@@ -58,9 +58,8 @@ def calibrate(runtime, probe_bytes: int = 32 << 20, probe_tokens: int = 256) -> 
     for w in workers:
         measure_prefill(runtime, w, sizes=(probe_tokens // 8, probe_tokens // 2, probe_tokens))
     deadline = time.time() + 10  # worker events reach the scheduler asynchronously
-    while time.time() < deadline:
-        profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
-        if all(w in profiles for w in workers):
-            break
+    profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
+    while not all(w in profiles for w in workers) and time.time() < deadline:
         time.sleep(0.05)
+        profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
     return {"bandwidth": bandwidth, "prefill_profiles": profiles}

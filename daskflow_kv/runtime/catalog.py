@@ -1,9 +1,20 @@
-"""The KV catalog: (state, block) -> (worker, bytes, range, refcount, last access, status).
+"""The KV catalog: (state, block) -> (workers, bytes, range, refcount, last access, status).
 
 Plain data kept by the scheduler plugin. Where a block *is* (who_has, nbytes, who wants
 it) stays Dask's business and is joined in when rows are produced; the catalog adds what
 Dask does not know: token ranges, chain parents, which states share a block, lineage, how
 often a block was read, and why it left memory.
+
+Block lifecycle (``BlockEntry.status``)::
+
+    pending -> memory -> released | evicted | lost -> recomputing -> memory -> ...
+                                 \\-> forgotten (Dask dropped the key and its lineage)
+
+``lost``: it left memory while still wanted (its worker died); Dask recomputes it.
+``evicted``: the plugin released it under the byte budget. ``recomputing``: Dask is
+computing it again from lineage. The prefix index holds every block Dask still knows
+(any status but forgotten): a lookup may return a released block, and acquiring it makes
+Dask recompute it from lineage.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from dataclasses import dataclass, field
 from ..blocks import BlockRef
 from ..prefix_index import PrefixIndex, PrefixMatch
 
-LIFECYCLE = ("materialize", "fork", "transfer", "resume", "extend", "merge", "evict", "recompute", "release")
+BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
 
 
 @dataclass(slots=True)
@@ -25,13 +36,14 @@ class BlockEntry:
     nbytes: int  # tensor bytes
     parent: str | None  # previous block in the chain
     fingerprint: str  # fingerprint digest (model, tokenizer, dtype, namespace)
-    state_id: str  # state that first produced it
+    state_id: str  # state that first produced it (lineage)
     device: str = "cpu"  # where the tensor lives on its worker
     created: float = field(default_factory=time.time)
     last_access: float = field(default_factory=time.time)  # last time a task read it
     reuse_count: int = 0  # tasks that read it after it was made
-    status: str = "pending"  # pending | memory | evicted | released | lost
-    recomputes: int = 0  # times it was computed again after being lost
+    status: str = "pending"  # see BLOCK_STATUSES
+    computed: bool = False  # it has been in memory at least once
+    recomputes: int = 0  # times it was computed again after leaving memory
 
 
 @dataclass(slots=True)
@@ -50,7 +62,8 @@ class KVCatalog:
     def __init__(self) -> None:
         self.blocks: dict[str, BlockEntry] = {}
         self.states: dict[str, StateEntry] = {}
-        self.index = PrefixIndex()  # over blocks Dask still knows (pending or in memory)
+        self.live_holders: dict[str, set[str]] = {}  # block key -> live states listing it
+        self.index = PrefixIndex()  # blocks Dask still knows (any status but forgotten)
         self.counters: dict[str, float] = {
             "tokens_reused": 0,
             "tokens_computed": 0,
@@ -63,11 +76,11 @@ class KVCatalog:
 
     # -- blocks ---------------------------------------------------------------------------
     def add_block(self, meta: dict) -> BlockEntry:
+        """A task producing this block was submitted (new, or again after it was forgotten)."""
         key = meta["key"]
         entry = self.blocks.get(key)
-        if entry is None or entry.status in ("evicted", "released", "lost"):
-            previous = entry
-            entry = BlockEntry(
+        if entry is None:
+            entry = self.blocks[key] = BlockEntry(
                 key,
                 meta["start"],
                 meta["end"],
@@ -77,21 +90,41 @@ class KVCatalog:
                 meta.get("state_id", ""),
                 device=meta.get("device", "cpu"),
             )
-            if previous is not None:  # made again after it left memory
-                entry.recomputes = previous.recomputes + 1
-                self.count("recomputes")
-            self.blocks[key] = entry
+        elif entry.status == "forgotten":
+            entry.status = "pending"
         ref = BlockRef(key, meta["start"], tuple(meta["tokens"]), meta["nbytes"])
         self.index.add(ref, meta.get("parent"), meta["fingerprint"])
         return entry
 
-    def mark(self, key: str, status: str) -> None:
+    def set_status(self, key: str, status: str) -> None:
+        entry = self.blocks.get(key)
+        if entry is not None:
+            entry.status = status
+
+    def entered_memory(self, key: str) -> bool:
+        """Record a block reaching memory; True when it had been computed before (a recompute)."""
+        entry = self.blocks.get(key)
+        if entry is None:
+            return False
+        again = entry.computed
+        if again:
+            entry.recomputes += 1
+            self.count("recomputes")
+        entry.computed = True
+        entry.status = "memory"
+        return again
+
+    def forget(self, key: str) -> None:
+        """Dask dropped the key: out of the index; the entry goes unless a live state lists it."""
+        self.index.remove(key)
         entry = self.blocks.get(key)
         if entry is None:
             return
-        entry.status = status
-        if status in ("evicted", "released", "lost"):
-            self.index.remove(key)
+        if entry.status != "evicted":
+            entry.status = "forgotten"
+        if not self.live_holders.get(key):
+            del self.blocks[key]
+            self._prune_states()
 
     def touch(self, key: str, now: float | None = None) -> None:
         entry = self.blocks.get(key)
@@ -104,7 +137,7 @@ class KVCatalog:
 
     # -- states ---------------------------------------------------------------------------
     def add_state(self, meta: dict) -> None:
-        self.states[meta["state_id"]] = StateEntry(
+        st = StateEntry(
             meta["state_id"],
             tuple(meta["block_keys"]),
             meta.get("op", ""),
@@ -112,63 +145,97 @@ class KVCatalog:
             meta.get("tokens", 0),
             meta.get("worker"),
         )
+        self.states[st.state_id] = st
+        for key in st.block_keys:
+            self.live_holders.setdefault(key, set()).add(st.state_id)
 
     def release_state(self, state_id: str) -> None:
-        if state_id in self.states:
-            self.states[state_id].status = "released"
+        st = self.states.get(state_id)
+        if st is None or st.status == "released":
+            return
+        st.status = "released"
+        for key in st.block_keys:
+            holders = self.live_holders.get(key)
+            if holders is not None:
+                holders.discard(state_id)
+                if not holders:
+                    del self.live_holders[key]
+                    entry = self.blocks.get(key)
+                    if entry is not None and entry.status in ("forgotten", "evicted") and key not in self.index:
+                        del self.blocks[key]
+        self._prune_states()
+
+    def _prune_states(self) -> None:
+        """Released states whose blocks are all gone are history nobody can query: drop them."""
+        gone = [sid for sid, st in self.states.items()
+                if st.status == "released" and not any(k in self.blocks for k in st.block_keys)]
+        for sid in gone:
+            del self.states[sid]
 
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
 
     # -- export ---------------------------------------------------------------------------
-    def rows(self, who_has: dict[str, list[str]], refcount: dict[str, int]) -> list[dict]:
-        """One row per (state, block), plus one per block no live state lists."""
+    def rows(self, who_has: dict[str, list[str]], refcount: dict[str, int], cached: set[str]) -> list[dict]:
+        """One row per (state, block), plus one per block no state lists."""
         out = []
         listed = set()
         for st in self.states.values():
             for key in st.block_keys:
                 listed.add(key)
-                out.append(self._row(st.state_id, st.status, key, who_has, refcount))
+                out.append(self._row(st, key, who_has, refcount, cached))
         for key in self.blocks.keys() - listed:
-            out.append(self._row("", "", key, who_has, refcount))
+            out.append(self._row(None, key, who_has, refcount, cached))
         return out
 
-    def _row(self, state_id, state_status, key, who_has, refcount) -> dict:
+    def _row(self, st: StateEntry | None, key, who_has, refcount, cached) -> dict:
         b = self.blocks.get(key)
         return {
-            "state_id": state_id,
-            "state_status": state_status,
+            "state_id": "" if st is None else st.state_id,
+            "state_status": "" if st is None else st.status,
+            "state_op": "" if st is None else st.op,
+            "state_parents": "" if st is None else ",".join(st.parents),
             "block_key": key,
+            "parent_key": "" if b is None else (b.parent or ""),
             "workers": ",".join(who_has.get(key, [])),
             "device": "" if b is None else b.device,
             "nbytes": 0 if b is None else b.nbytes,
             "token_start": -1 if b is None else b.start,
             "token_end": -1 if b is None else b.end,
             "refcount": refcount.get(key, 0),
+            "cached": key in cached,
             "last_access": 0.0 if b is None else b.last_access,
             "reuse_count": 0 if b is None else b.reuse_count,
-            "status": "unknown" if b is None else b.status,
+            "status": "forgotten" if b is None else b.status,
+            "recomputes": 0 if b is None else b.recomputes,
             "lineage_state": "" if b is None else b.state_id,
         }
+
+
+ARROW_COLUMNS = (
+    ("state_id", "string"),
+    ("state_status", "string"),
+    ("state_op", "string"),
+    ("state_parents", "string"),
+    ("block_key", "string"),
+    ("parent_key", "string"),
+    ("workers", "string"),
+    ("device", "string"),
+    ("nbytes", "int64"),
+    ("token_start", "int64"),
+    ("token_end", "int64"),
+    ("refcount", "int64"),
+    ("cached", "bool_"),
+    ("last_access", "float64"),
+    ("reuse_count", "int64"),
+    ("status", "string"),
+    ("recomputes", "int64"),
+    ("lineage_state", "string"),
+)
 
 
 def rows_to_arrow(rows: list[dict]):
     import pyarrow as pa
 
-    columns = [
-        ("state_id", pa.string()),
-        ("state_status", pa.string()),
-        ("block_key", pa.string()),
-        ("workers", pa.string()),
-        ("device", pa.string()),
-        ("nbytes", pa.int64()),
-        ("token_start", pa.int64()),
-        ("token_end", pa.int64()),
-        ("refcount", pa.int64()),
-        ("last_access", pa.float64()),
-        ("reuse_count", pa.int64()),
-        ("status", pa.string()),
-        ("lineage_state", pa.string()),
-    ]
-    schema = pa.schema(columns)
+    schema = pa.schema([(name, getattr(pa, typ)()) for name, typ in ARROW_COLUMNS])
     return pa.Table.from_pylist(rows, schema=schema)

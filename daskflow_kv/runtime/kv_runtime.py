@@ -3,30 +3,34 @@
 ``KVRuntime`` is the distributed counterpart of ``Engine``. Blocks are Dask keys (their
 content addresses) held in worker memory; a ``DistKVState`` is a descriptor plus the
 futures that keep its blocks alive. Every prefill first asks the scheduler plugin for the
-longest cached prefix (any client's), then the planner decides per destination worker
-whether the consumer reuses local blocks, fetches them (Dask moves them once per worker)
-or recomputes them there, using the cost model fed with measured bandwidth and prefill
-profiles. Decisions travel as task annotations; the plugin turns them into restrictions.
+longest cached prefix (any client's); the plugin hands this client a reference to the
+matched blocks before it answers, so they cannot be evicted in between. The planner then
+decides per destination worker whether the consumer reuses local blocks, fetches them (Dask
+moves each block once per worker) or recomputes the prefix there, using the cost model fed
+with measured bandwidth and prefill profiles. Decisions travel as task annotations; the
+plugin turns them into loose worker restrictions and catalog events.
+
+Keys never get a second run spec: a block key the scheduler already knows (cached, being
+computed, or released but still in lineage) is acquired, not resubmitted.
 """
 
 from __future__ import annotations
 
-import uuid
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import dask
 from distributed import Client, Future, wait
 
 from .. import compat
-from ..blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len
-from ..cost_model import Decision, explain
+from ..blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len, split_spans
+from ..cost_model import Decision, NeedsCalibration, explain
 from ..errors import MergeError, StateReleasedError
 from ..kv_state import KVState, LineageEvent, new_state_id
 from ..sampling import GREEDY, SamplingParams
 from . import tasks
-from ..cost_model import NeedsCalibration
-from .planner import ClusterView, Placement, plan_placements
+from .planner import ClusterView, Placement, plan_placements, read_blocks
 from .serialization import TorchSerializationPlugin
 
 
@@ -69,8 +73,24 @@ class DistGeneration:
     metrics: dict  # RunMetrics of the prefill + decode, measured on the worker
     worker: str  # where it ran
     placement: Placement  # the plan's decision for this branch
-    state: DistKVState | None = None  # continuation state (its blocks on ``worker``)
+    state: DistKVState | None = None  # continuation state (its new blocks on ``worker``)
     logits: object = None
+
+
+@dataclass(slots=True)
+class _Match:
+    """A cached prefix whose blocks this client now holds futures for."""
+
+    tokens: int  # leading tokens the blocks cover
+    blocks: list[dict]  # the plugin's rows: key, start, end, nbytes, tokens, who_has, where, state
+    futures: dict[str, Future]  # key -> future, one per block
+
+    def kept(self, upto: int) -> list[tuple[BlockRef, Future]]:
+        """Whole blocks ending at or before ``upto``: they enter the new state unchanged."""
+        return [(_ref(b), self.futures[b["key"]]) for b in self.blocks if b["end"] <= upto]
+
+    def plan_input(self) -> dict:
+        return {"tokens": self.tokens, "blocks": self.blocks}
 
 
 class KVRuntime:
@@ -91,15 +111,15 @@ class KVRuntime:
         self.client = client
         self.spec = tasks.ModelSpec(model, str(dtype).removeprefix("torch."), block_size, namespace, device)
         client.register_plugin(TorchSerializationPlugin())
-        if not client.run_on_scheduler(_has_kv_plugin):
-            client.register_plugin(KVSchedulerPlugin(kv_budget_bytes, memory_weight))
-        elif kv_budget_bytes is not None or memory_weight:
+        # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
+        client.register_plugin(KVSchedulerPlugin(kv_budget_bytes, memory_weight))
+        if kv_budget_bytes is not None or memory_weight:
             self.configure(kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight)
         self.facts: tasks.ModelFacts = client.submit(tasks.model_facts, self.spec, pure=False).result()
         self.tokenizer = load_tokenizer(model)
         self.bandwidth_override: float | None = None  # bytes/s for every pair (what-if, tests)
         self.prefill_override = None  # a PrefillProfile for every worker (what-if, tests)
-        self.decisions: list[Decision] = []  # this runtime's cost-model decisions, in order
+        self.decisions: deque[Decision] = deque(maxlen=1024)  # cost-model decisions, oldest first
 
     # -- plumbing -------------------------------------------------------------------------
     def _rpc(self, name: str, **kwargs):
@@ -131,11 +151,64 @@ class KVRuntime:
             raise StateReleasedError(f"state {state.state_id} was released; materialize it again")
         compat.check_state_for_model(state.state, self.fingerprint, self.block_size)
 
-    # -- prefill --------------------------------------------------------------------------
-    def _lookup(self, tokens: list[int]) -> dict:
-        return self._rpc(
-            "kv_lookup", fingerprint=self.fingerprint.digest, tokens=list(tokens), block_size=self.block_size
+    # -- block references -------------------------------------------------------------------
+    def _hold(self, keys) -> dict[str, Future]:
+        """Futures for keys the plugin has just acquired for this client.
+
+        The plugin already added this client to the keys' wanters. Announcing them again on
+        the client's ordered stream makes the scheduler report their state to the futures
+        created here (a report sent before they existed would be dropped), and overrides a
+        release of an older future of the same key that was still in flight.
+        """
+        futures = {k: Future(k, self.client) for k in keys}
+        if futures:
+            self.client._send_to_scheduler({"op": "client-desires-keys", "keys": list(futures)})
+        return futures
+
+    def _lookup(self, tokens: Sequence[int]) -> _Match:
+        ans = self._rpc(
+            "kv_lookup",
+            fingerprint=self.fingerprint.digest,
+            tokens=list(tokens),
+            block_size=self.block_size,
+            client=self.client.id,
         )
+        return _Match(ans["tokens"], ans["blocks"], self._hold(b["key"] for b in ans["blocks"]))
+
+    def _publish(self, make: Callable[[int], tuple], tokens, kept, spans, sid: str, worker: str | None) -> tuple:
+        """The state's blocks: ``kept`` (ref, future) pairs, then one key per new span.
+
+        ``make(i)`` gives the (function, *args) of a task producing span i's tensor on
+        ``worker``, where its input is. A span whose content address the scheduler already
+        knows is acquired instead of submitted.
+        """
+        refs = [r for r, _ in kept]
+        futures = [f for _, f in kept]
+        parent = refs[-1].key if refs else None
+        planned = []
+        for s, e in spans:
+            key = block_key(self.fingerprint.digest, parent, tokens[s:e])
+            planned.append((BlockRef(key, s, tuple(tokens[s:e]), (e - s) * self.facts.bytes_per_token), parent))
+            parent = key
+        known = self._rpc("kv_acquire", keys=[r.key for r, _ in planned], client=self.client.id) if planned else {}
+        held = self._hold(known)
+        for i, (ref, parent) in enumerate(planned):
+            if ref.key not in held:
+                with dask.annotate(kv={"role": "block", "meta": self._block_meta(ref, parent, sid)}):
+                    held[ref.key] = self._submit_near(worker, *make(i), key=ref.key)
+            refs.append(ref)
+            futures.append(held[ref.key])
+        return refs, futures
+
+    def _submit_near(self, worker: str | None, fn, *args, key: str) -> Future:
+        """Submit a task that reads a prefill's output where that output is.
+
+        The (loose) restriction keeps Dask from treating these many small, few-input tasks as
+        root-ish and queueing them on whichever worker is free, which would move the output
+        instead; if the worker dies they still run elsewhere.
+        """
+        return self.client.submit(fn, *args, key=key, workers=[worker] if worker else None,
+                                  allow_other_workers=bool(worker), pure=False)
 
     def _block_meta(self, ref: BlockRef, parent: str | None, state_id: str) -> dict:
         return {
@@ -150,71 +223,76 @@ class KVRuntime:
             "device": self.spec.device,
         }
 
-    def _publish(self, output: Future | None, tokens, kept: list[BlockRef], spans, state_id: str, target) -> tuple:
-        """Block futures for ``kept`` (existing keys) plus one take_block task per new span."""
-        futures = [Future(b.key, self.client) for b in kept]
-        refs = list(kept)
-        parent = kept[-1].key if kept else None
-        for i, (s, e) in enumerate(spans):
-            key = block_key(self.fingerprint.digest, parent, tokens[s:e])
-            ref = BlockRef(key, s, tuple(tokens[s:e]), (e - s) * self.facts.bytes_per_token)
-            with dask.annotate(kv={"role": "block", "meta": self._block_meta(ref, parent, state_id)}):
-                if isinstance(output, tuple):  # cut from a cached block, no prefill
-                    fut = self.client.submit(tasks.cut_block, output[0], output[1], key=key, pure=False)
-                else:
-                    fut = self.client.submit(tasks.take_block, output, i, key=key, pure=False)
-            futures.append(fut)
-            refs.append(ref)
-            parent = key
-        return refs, futures
-
     def _state(self, sid, refs, futures, op, parents: Sequence[DistKVState], worker, **detail) -> DistKVState:
         event = LineageEvent(op, sid, tuple(p.state_id for p in parents), tuple(sorted(detail.items())))
         history = tuple(dict.fromkeys(ev for p in parents for ev in p.state.lineage))
         desc = KVState(sid, self.fingerprint, self.block_size, tuple(refs), history + (event,), self.spec.device, worker)
-        self._rpc(
-            "kv_register_state",
-            meta={
-                "state_id": sid,
-                "block_keys": list(desc.block_keys),
-                "op": op,
-                "parents": list(event.parents),
-                "tokens": desc.length,
-                "worker": worker,
-            },
-        )
+        self._register([desc], **detail)
         return DistKVState(desc, tuple(futures), self)
 
-    def _submit_prefill(self, tokens, match, placement: Placement, max_new, sampling, stream, return_logits, op, sid):
-        reused = placement.reused
-        reads = [b["key"] for b in match["blocks"] if b["start"] < reused]
-        deps = [Future(k, self.client) for k in reads]
-        if placement.replica is not None:  # recompute on dst: read the dst-local replica instead
-            deps = list(placement.replica)
+    def _register(self, descs: Sequence[KVState], **detail) -> None:
+        metas = [
+            {
+                "state_id": d.state_id,
+                "block_keys": list(d.block_keys),
+                "op": d.lineage[-1].op if d.lineage else "",
+                "parents": list(d.lineage[-1].parents) if d.lineage else [],
+                "tokens": d.length,
+                "worker": d.worker,
+                **{k: v for k, v in detail.items() if k in ("tokens_reused", "tokens_computed")},
+            }
+            for d in descs
+        ]
+        self._rpc("kv_register_states", metas=metas)
+
+    # -- prefill --------------------------------------------------------------------------
+    def _plan(self, view, match: _Match, reused, n, policy, worker=None, workers=None):
+        """plan_placements, calibrating first if the cost model lacks a measurement."""
+        try:
+            return plan_placements(view, match.plan_input(), reused, n, policy, worker, workers), view
+        except NeedsCalibration:
+            self.calibrate()
+            view = self.view()
+            return plan_placements(view, match.plan_input(), reused, n, policy, worker, workers), view
+
+    def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
         note = {
             "role": "compute",
-            "op": op,
-            "state_id": sid,
-            "target": placement.worker,
-            "reads": reads if placement.replica is None else [],
-            "decision": placement.decision_dict(),
+            "op": req.op,
+            "state_id": req.state_id,
+            "target": worker,
+            "reads": list(reads),
+            "decision": None if placement is None else placement.decision_dict(),
+            "first": bool(placement is not None and placement.first),
         }
         with dask.annotate(kv=note):
             return self.client.submit(
                 tasks.prefill,
                 self.spec,
-                list(tokens),
-                reused,
-                max_new,
-                sampling,
-                stream,
-                return_logits,
-                *deps,
-                key=f"kvprefill-{op}-{sid}",
-                workers=[placement.worker] if placement.worker else None,
-                allow_other_workers=bool(placement.worker),
+                req,
+                *inputs,
+                key=f"kvprefill-{req.op}-{req.state_id}",
+                workers=[worker] if worker else None,
+                allow_other_workers=bool(worker),  # loose: a lost worker's consumers run elsewhere
                 pure=False,
             )
+
+    def _inputs(self, match: _Match, p: Placement, tokens, replicas: dict) -> tuple[list, list[str]]:
+        """(prefix block futures, keys read from the cache) for a consumer placed by ``p``."""
+        if p.action == "recompute":  # rebuild the prefix on the destination, once per worker
+            slot = (id(match), p.worker)
+            if slot not in replicas:
+                replicas[slot] = self._replica(tokens[: max(p.recompute_tokens, p.reused)], p.worker)
+            return list(replicas[slot]), []
+        reads = [b["key"] for b in read_blocks(match.plan_input(), p.reused)]
+        return [match.futures[k] for k in reads], reads
+
+    def _replica(self, tokens: list[int], worker: str) -> tuple[Future, ...]:
+        """Prefill a prefix on ``worker``: private blocks, same content, freed after their readers."""
+        sid = new_state_id("recompute")
+        out = self._prefill_task(tasks.PrefillRequest(tuple(tokens), 0, op="recompute", state_id=sid), [], worker)
+        n = -(-len(tokens) // self.block_size)
+        return tuple(self._submit_near(worker, tasks.take_block, out, i, key=f"kvreplica-{sid}-{i}") for i in range(n))
 
     def materialize(self, tokens: Sequence[int] | str, worker: str | None = None) -> DistKVState:
         """Prefill ``tokens`` once on a worker (reusing any cached prefix, on any worker)."""
@@ -227,32 +305,27 @@ class KVRuntime:
         compat.check_tokens(tokens, self.facts.vocab_size)
         compat.check_positions(0, len(tokens), 0, self.facts.max_positions)
         match = self._lookup(tokens)
-        reused = match["tokens"]
+        reused = match.tokens
         floor = aligned_floor(reused, self.block_size)
-        kept = [_ref(b) for b in match["blocks"] if b["end"] <= floor]
         sid = new_state_id(op)
+        target = None  # where the new blocks are made
         if reused < len(tokens):
-            [placement], _ = self._plan(self.view(), match, [reused], 1, "pin", worker)
-            self.decisions.append(placement.decision)
-            output = self._submit_prefill(tokens, match, placement, 0, GREEDY, 0, False, op, sid)
-            spans = [(s, min(s + self.block_size, len(tokens))) for s in range(floor, len(tokens), self.block_size)]
-            target = placement.worker
-        elif floor < reused:  # all cached; the request ends inside a cached block
-            tail = match["blocks"][-1]
-            output, spans, target = (Future(tail["key"], self.client), reused - floor), [(floor, reused)], None
+            [p], _ = self._plan(self.view(), match, [reused], 1, "pin", worker)
+            if p.decision is not None:
+                self.decisions.append(p.decision)
+            inputs, reads = self._inputs(match, p, tokens, {})
+            req = tasks.PrefillRequest(tuple(tokens), reused, op=op, state_id=sid)
+            source = self._prefill_task(req, inputs, p.worker, reads, p)
+            make, spans, target = (lambda i: (tasks.take_block, source, i)), split_spans(floor, len(tokens), self.block_size), p.worker
+        elif floor < reused:  # all cached; the request ends inside a cached block: cut it, no prefill
+            tail = match.futures[match.blocks[-1]["key"]]
+            target = next(iter(match.blocks[-1]["where"]), None)
+            make, spans = (lambda i: (tasks.cut_block, tail, reused - floor)), [(floor, reused)]
         else:
-            output, spans, target = None, [], None
-        refs, futures = self._publish(output, tokens, kept, spans, sid, target)
-        return self._state(sid, refs, futures, op, parents, target, tokens_reused=reused, tokens_computed=len(tokens) - reused, **detail)
-
-    def _plan(self, view, match, reused, n, policy, worker=None, workers=None):
-        """plan_placements, calibrating first if the cost model lacks a measurement."""
-        try:
-            return plan_placements(view, match, reused, n, policy, worker, workers), view
-        except NeedsCalibration:
-            self.calibrate()
-            view = self.view()
-            return plan_placements(view, match, reused, n, policy, worker, workers), view
+            make, spans = None, []
+        refs, futures = self._publish(make, tokens, match.kept(floor), spans, sid, target)
+        return self._state(sid, refs, futures, op, parents, target,
+                           tokens_reused=reused, tokens_computed=len(tokens) - reused, **detail)
 
     # -- operators ------------------------------------------------------------------------
     def fork(self, state: DistKVState, k: int) -> list[DistKVState]:
@@ -260,16 +333,9 @@ class KVRuntime:
         self._check(state)
         if k < 1:
             raise ValueError("fork needs k >= 1")
-        out = []
-        for i in range(k):
-            child = state.state.derive("fork", (state.state_id,), branch=i, of=k)
-            self._rpc(
-                "kv_register_state",
-                meta={"state_id": child.state_id, "block_keys": list(child.block_keys), "op": "fork",
-                      "parents": [state.state_id], "tokens": child.length, "worker": child.worker},
-            )
-            out.append(DistKVState(child, state.futures, self))
-        return out
+        children = [state.state.derive("fork", (state.state_id,), branch=i, of=k) for i in range(k)]
+        self._register(children)
+        return [DistKVState(c, state.futures, self) for c in children]
 
     def extend(self, state: DistKVState, tokens: Sequence[int]) -> DistKVState:
         self._check(state)
@@ -292,69 +358,60 @@ class KVRuntime:
         """Resume several branches in parallel, placed across workers by the cost model.
 
         policy: auto (cost model per destination) | transfer | recompute (forced for every
-        branch placed away from the blocks) | pin (every branch runs where its blocks are).
+        destination that lacks the blocks) | pin (every branch runs where its blocks are).
+        ``workers`` limits the workers branches spread over.
         """
         if max_new_tokens < 1:
             raise ValueError("resume generates at least one token; use extend to only prefill")
-        prompts, matches = [], []
+        prompts = []
         for state, suffix in requests:
             self._check(state)
             compat.check_tokens(suffix, self.facts.vocab_size)
             compat.check_positions(state.length, len(suffix), max_new_tokens, self.facts.max_positions)
             prompts.append(list(state.tokens) + list(suffix))
-        view = self.view()
-        placements, outputs, sids = [], [], []
-        # Branches of one parent share a lookup: same blocks, same plan, one transfer per worker.
+
+        # Plan: branches over the same blocks share one lookup, so each destination worker
+        # gets one decision and Dask moves (or the plan rebuilds) each block once per worker.
         groups: dict[tuple, list[int]] = {}
         for i, (state, _) in enumerate(requests):
             groups.setdefault(state.state.block_keys, []).append(i)
+        view = self.view()
+        plans: list[tuple[_Match, Placement]] = [None] * len(requests)  # type: ignore[list-item]
         for idxs in groups.values():
-            match = self._lookup(prompts[idxs[0]][: requests[idxs[0]][0].length])
-            reused = [min(match["tokens"], len(prompts[i]) - 1) for i in idxs]
-            plan, view = self._plan(view, match, reused, len(idxs), policy, None, workers)
-            replicas: dict[str, tuple] = {}  # one rebuild per destination worker, shared by its branches
-            for i, placement in zip(idxs, plan):
-                if placement.recompute_tokens:
-                    replicas[placement.worker] = self._replica(prompts[i][: placement.recompute_tokens], placement.worker)
-                if placement.decision is not None and placement.decision.action == "recompute":
-                    placement.replica = replicas[placement.worker]
-                matches.append((i, match, placement))
-        matches.sort(key=lambda t: t[0])
-        for i, match, placement in matches:
-            sid = new_state_id("resume")
-            self.decisions.append(placement.decision)
-            outputs.append(
-                self._submit_prefill(prompts[i], match, placement, max_new_tokens, sampling, i, return_logits, "resume", sid)
-            )
-            placements.append(placement)
-            sids.append(sid)
-        results = self.client.gather([self.client.submit(tasks.take_result, o, pure=False) for o in outputs])
-        gens = []
-        for (state, _), prompt, out_f, res, placement, sid in zip(requests, prompts, outputs, results, placements, sids):
-            fed = prompt + res.generated[:-1]
-            reused = placement.reused
-            floor = aligned_floor(reused, self.block_size)
-            match = next(m for i, m, p in matches if p is placement)
-            kept = [_ref(b) for b in match["blocks"] if b["end"] <= floor]
-            spans = [(s, min(s + self.block_size, len(fed))) for s in range(floor, len(fed), self.block_size)]
-            refs, futures = self._publish(out_f, fed, kept, spans, sid, res.worker)
-            cont = self._state(sid, refs, futures, "resume", (state,), res.worker,
-                               tokens_reused=reused, tokens_computed=len(prompt) - reused)
-            gens.append(DistGeneration(res.generated, self.decode(res.generated), res.metrics, res.worker,
-                                       placement, cont, res.logits))
-        return gens
+            match = self._lookup(requests[idxs[0]][0].tokens)
+            reused = [min(match.tokens, len(prompts[i]) - 1) for i in idxs]  # decode needs >= 1 fed token
+            placements, view = self._plan(view, match, reused, len(idxs), policy, None, workers)
+            for i, p in zip(idxs, placements):
+                plans[i] = (match, p)
 
-    def _replica(self, tokens: list[int], worker: str) -> tuple[Future, ...]:
-        """Recompute a prefix on ``worker`` (once per worker): private blocks, same content."""
-        sid = new_state_id("recompute")
-        note = {"role": "compute", "op": "recompute", "state_id": sid, "target": worker, "reads": []}
-        with dask.annotate(kv=note):
-            out = self.client.submit(tasks.prefill, self.spec, tokens, 0, 0, GREEDY, 0, False,
-                                     key=f"kvprefill-recompute-{sid}", workers=[worker],
-                                     allow_other_workers=True, pure=False)
-        n = -(-len(tokens) // self.block_size)
-        return tuple(self.client.submit(tasks.take_block, out, i, key=f"kvreplica-{sid}-{i}", pure=False)
-                     for i in range(n))
+        replicas: dict = {}
+        outputs, sids = [], []
+        for i, (match, p) in enumerate(plans):
+            if p.decision is not None:
+                self.decisions.append(p.decision)
+            sid = new_state_id("resume")
+            inputs, reads = self._inputs(match, p, prompts[i], replicas)
+            req = tasks.PrefillRequest(tuple(prompts[i]), p.reused, max_new_tokens, sampling, i, return_logits,
+                                       "resume", sid)
+            outputs.append(self._prefill_task(req, inputs, p.worker, reads, p))
+            sids.append(sid)
+        replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
+        results = self.client.gather([
+            self._submit_near(p.worker, tasks.take_result, out, key=f"kvresult-{sid}")
+            for out, (_, p), sid in zip(outputs, plans, sids)
+        ])
+
+        gens = []
+        for (state, _), prompt, out, res, (match, p), sid in zip(requests, prompts, outputs, results, plans, sids):
+            fed = prompt + res.generated[:-1]  # the last sampled token was never fed
+            floor = aligned_floor(p.reused, self.block_size)
+            refs, futures = self._publish(lambda j, out=out: (tasks.take_block, out, j), fed, match.kept(floor),
+                                          split_spans(floor, len(fed), self.block_size), sid, res.worker)
+            cont = self._state(sid, refs, futures, "resume", (state,), res.worker,
+                               tokens_reused=p.reused, tokens_computed=len(prompt) - p.reused)
+            gens.append(DistGeneration(res.generated, self.decode(res.generated), res.metrics, res.worker, p, cont,
+                                       res.logits))
+        return gens
 
     def merge(self, a: DistKVState, b: DistKVState, how: str = "auto") -> DistKVState:
         """Exact combinations only; see Engine.merge for the rules."""
@@ -367,6 +424,7 @@ class KVRuntime:
             try:
                 compat.check_concat(a.state, b.state)
                 child = b.state.derive("merge", (a.state_id, b.state_id), how="concat")
+                self._register([child])
                 return DistKVState(child, b.futures, self)
             except MergeError:
                 if how == "concat":
@@ -379,15 +437,16 @@ class KVRuntime:
 
     def release(self, state: DistKVState) -> None:
         """Drop this handle's references; cached blocks stay until evicted under the budget."""
-        if not state.released:
-            state.released = True
-            self._rpc("kv_release_state", state_id=state.state_id)
-            state.futures = ()
+        if state.released:
+            return
+        state.released = True
+        state.futures = ()  # forks share the tuple: the blocks go only when no handle holds it
+        self._rpc("kv_release_state", state_id=state.state_id)
 
     # -- baseline and introspection ---------------------------------------------------------
     def generate_text(self, tokens: Sequence[int] | str, max_new_tokens: int = 32, sampling: SamplingParams = GREEDY,
-                      stream: int = 0, worker: str | None = None, return_logits: bool = False):
-        """Text mode on a worker: the whole prompt prefilled from nothing."""
+                      stream: int = 0, worker: str | None = None, return_logits: bool = False) -> Future:
+        """Text mode on a worker: the whole prompt prefilled from nothing. A future of GenerationResult."""
         tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
         compat.check_tokens(tokens, self.facts.vocab_size)
         compat.check_positions(0, len(tokens), max_new_tokens, self.facts.max_positions)
@@ -398,26 +457,21 @@ class KVRuntime:
         return self._rpc("kv_counters")
 
     def catalog(self):
+        """The plugin's catalog as a pyarrow Table, one row per (state, block)."""
         from .catalog import rows_to_arrow
 
         return rows_to_arrow(self._rpc("kv_catalog"))
 
     def explain(self) -> str:
-        return "\n".join(explain(d) for d in self.decisions if d is not None)
+        return "\n".join(explain(d) for d in self.decisions)
 
-    def wait(self, states: Sequence[DistKVState]) -> None:
-        wait([f for s in states for f in s.futures])
+    def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
+        wait([f for s in states for f in s.futures], timeout=timeout)
 
     def calibrate(self, probe_bytes: int = 32 << 20, probe_tokens: int = 256) -> dict:
         from .calibration import calibrate
 
         return calibrate(self, probe_bytes, probe_tokens)
-
-
-def _has_kv_plugin(dask_scheduler) -> bool:
-    from ..plugins.kv_scheduler import PLUGIN_NAME
-
-    return PLUGIN_NAME in dask_scheduler.plugins
 
 
 def _ref(b: dict) -> BlockRef:

@@ -1,15 +1,20 @@
 """Where each KV consumer runs, and how its prefix gets there. Pure: plain data in and out.
 
-Given what the scheduler plugin reports (who holds the matched blocks, measured bandwidth
-per worker pair, fitted prefill profiles, load), ``plan_placements`` spreads k branches
-over workers and, per destination that lacks the blocks, asks the cost model whether to
-transfer them or recompute them there. Each destination pays that once: the first branch
-placed there carries the decision, later ones reuse what it brought.
+Given what the scheduler plugin reports (where the matched blocks are or will be, measured
+bandwidth per worker pair, fitted prefill profiles, load), ``plan_placements`` spreads k
+branches over workers and, per destination that lacks some of the blocks, asks the cost
+model whether to transfer them or recompute the prefix there. Each destination pays that
+once: all its branches share one ``Decision`` (the same object), and the first branch
+placed there (``first``) is the one that pays for it.
+
+A ``match`` is the plugin's lookup answer: ``{"tokens": int, "blocks": [{"key", "start",
+"end", "nbytes", "where": [worker, ...]}, ...]}`` where ``where`` lists the workers that
+hold the block, or, while it is still being computed, the worker it is planned on.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ..cost_model import Decision, LinkProfile, NeedsCalibration, PrefillProfile, decide
 
@@ -49,24 +54,33 @@ class Placement:
     worker: str | None  # where the consumer runs (None: let Dask choose)
     reused: int  # prefix tokens the consumer reads from blocks instead of prefilling
     decision: Decision | None  # how the prefix reaches ``worker`` (None: nothing cached)
-    recompute_tokens: int = 0  # >0: this branch's worker must first rebuild that many tokens
-    replica: tuple | None = field(default=None, repr=False)  # futures of the rebuilt blocks
+    recompute_tokens: int = 0  # >0 on the first branch of a "recompute" worker: tokens rebuilt there
+    first: bool = False  # the first branch placed on ``worker``: it pays the transfer or recompute
+
+    @property
+    def action(self) -> str:
+        return "none" if self.decision is None else self.decision.action
 
     def decision_dict(self) -> dict | None:
         return None if self.decision is None else asdict(self.decision)
 
 
-def holder_of(match: dict) -> str | None:
-    """The worker holding the most bytes of the matched blocks."""
+def _where(block: dict) -> list[str]:
+    return list(block.get("where", block.get("who_has", ())))
+
+
+def holder_of(blocks: list[dict]) -> str | None:
+    """The worker holding (or about to hold) the most bytes of ``blocks``; ties by name."""
     held: dict[str, int] = {}
-    for b in match["blocks"]:
-        for w in b["who_has"]:
+    for b in blocks:
+        for w in _where(b):
             held[w] = held.get(w, 0) + b["nbytes"]
     return max(sorted(held), key=held.get) if held else None
 
 
-def _needed_bytes(match: dict, reused: int) -> int:
-    return sum(b["nbytes"] for b in match["blocks"] if b["start"] < reused)
+def read_blocks(match: dict, reused: int) -> list[dict]:
+    """The blocks a consumer that reuses ``reused`` tokens depends on."""
+    return [b for b in match["blocks"] if b["start"] < reused]
 
 
 def plan_placements(
@@ -78,52 +92,68 @@ def plan_placements(
     worker: str | None = None,
     workers: list[str] | None = None,
 ) -> list[Placement]:
-    """One placement per branch. ``reused[i]``: prefix tokens branch i can take from blocks."""
+    """One placement per branch. ``reused[i]``: prefix tokens branch i can take from blocks.
+
+    policy: auto (cost model per destination) | transfer | recompute (forced for every
+    destination that lacks blocks) | pin (every branch where the blocks are). ``worker``
+    puts every branch on one worker; ``workers`` limits the pool branches spread over.
+    Raises NeedsCalibration when auto needs a measurement nobody has taken yet.
+    """
     if policy not in POLICIES:
         raise ValueError(f"unknown state policy {policy!r}; expected one of {POLICIES}")
-    holder = holder_of(match)
+    if len(reused) != n:
+        raise ValueError(f"{n} branches but {len(reused)} reuse counts")
+    holder = holder_of(match["blocks"])
     pool = [w for w in (workers or sorted(view.workers)) if w in view.workers] or sorted(view.workers)
     if worker is not None:
         targets = [worker] * n
-    elif policy == "pin" or n == 1:
-        targets = [holder if holder in view.workers else _least_loaded(view, pool, {})] * n
+    elif policy == "pin":
+        targets = [holder if holder in view.workers else _least_loaded(view, pool)] * n
     else:
-        targets = _spread(view, pool, holder, n)
-    out, decided = [], {}
-    for i, dst in enumerate(targets):
-        if reused[i] == 0 or holder is None or dst is None:
-            out.append(Placement(dst, reused[i] if holder is not None else 0, None))
-            continue
-        first = dst not in decided
-        if first:
-            forced = policy if policy in ("transfer", "recompute") else None
-            nbytes = _needed_bytes(match, reused[i])
-            src = None if holder is None else holder
-            decided[dst] = decide(
-                nbytes, reused[i], 0, src, dst, view.link(src, dst), view.profile(dst), view.memory_weight, forced
-            )
-        d = decided[dst]
-        rebuild = reused[i] if (first and d.action == "recompute") else 0
-        out.append(Placement(dst, reused[i], d, rebuild))
+        targets = _spread(pool, holder, n)
+
+    need: dict[str | None, int] = {}  # destination -> largest prefix one of its branches reads
+    for dst, r in zip(targets, reused):
+        need[dst] = max(need.get(dst, 0), r)
+    forced = policy if policy in ("transfer", "recompute") else None
+    decisions = {dst: _decide(view, match, r, dst, forced) for dst, r in need.items()}
+
+    out, seen = [], set()
+    for dst, r in zip(targets, reused):
+        d, first = decisions[dst], dst not in seen
+        seen.add(dst)
+        rebuild = need[dst] if (first and d is not None and d.action == "recompute") else 0
+        out.append(Placement(dst, r, d, rebuild, first))
     return out
 
 
-def _least_loaded(view: ClusterView, pool: list[str], assigned: dict[str, int]) -> str | None:
+def _decide(view: ClusterView, match: dict, reused: int, dst: str | None, forced: str | None) -> Decision | None:
+    """How ``dst`` gets the blocks covering ``reused`` tokens; None when nothing is read."""
+    reads = read_blocks(match, reused)
+    if not reads or dst is None:
+        return None
+    missing = [b for b in reads if dst not in _where(b)]
+    if not missing:  # everything is (or will be) on dst already
+        return decide(0, 0, reused, dst, dst, None, None, view.memory_weight)
+    src = holder_of(missing)
+    if src is None:  # being recomputed somewhere Dask has not chosen yet: let Dask place it
+        return None
+    nbytes = sum(b["nbytes"] for b in missing)
+    return decide(nbytes, reused, 0, src, dst, view.link(src, dst), view.profile(dst), view.memory_weight, forced)
+
+
+def _least_loaded(view: ClusterView, pool: list[str]) -> str | None:
     if not pool:
         return None
-    return min(pool, key=lambda w: (assigned.get(w, 0) + view.workers[w]["processing"], w))
+    return min(pool, key=lambda w: (view.workers[w].get("processing", 0), w))
 
 
-def _spread(view: ClusterView, pool: list[str], holder: str | None, n: int) -> list[str | None]:
-    """Round-robin by load, the holder first so it gets the extra branch on odd counts."""
+def _spread(pool: list[str], holder: str | None, n: int) -> list[str | None]:
+    """Round-robin, the holder first so it gets the extra branch on odd counts."""
     order = ([holder] if holder in pool else []) + [w for w in pool if w != holder]
-    assigned: dict[str, int] = {}
-    targets = []
-    for _ in range(n):
-        w = min(order, key=lambda w: (assigned.get(w, 0), order.index(w))) if order else None
-        assigned[w] = assigned.get(w, 0) + 1
-        targets.append(w)
-    return targets
+    if not order:
+        return [None] * n
+    return [order[i % len(order)] for i in range(n)]
 
 
-__all__ = ["ClusterView", "Placement", "NeedsCalibration", "plan_placements", "holder_of", "POLICIES"]
+__all__ = ["ClusterView", "Placement", "NeedsCalibration", "plan_placements", "holder_of", "read_blocks", "POLICIES"]

@@ -2,9 +2,12 @@
 
 A prefill task returns a ``PrefillOutput`` holding the new block tensors; one cheap
 ``take_block`` task per block then publishes each block under its content-addressed key,
-on the same worker, sharing the tensor (no copy). The model is loaded once per worker
-process (``get_runner``) and every prefill reports its timing to the scheduler plugin,
-which fits the prefill profile the cost model uses.
+on the same worker, sharing the tensor (no copy). Once every block has its own key the
+client drops the ``PrefillOutput`` future and Dask frees it; the blocks stay, each kept
+alive by the futures of the states that list it (and by the scheduler plugin's cache).
+
+The model is loaded once per worker process (``get_runner``), and every prefill reports
+its timing to the scheduler plugin, which fits the prefill profile the cost model uses.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from dask.sizeof import sizeof
 
 from ..model_runner import ModelRunner
 from ..sampling import GREEDY, SamplingParams
-from .serialization import register_torch_serialization
+from .serialization import register_torch_serialization, sizeof_torch_tensor
 
 register_torch_serialization()  # workers unpickle this module before any block arrives
 
@@ -47,6 +51,20 @@ class ModelFacts:
     eos_ids: frozenset[int]
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """One prefill: continue ``tokens[:reused]`` (read from prefix blocks) with the rest."""
+
+    tokens: tuple[int, ...]  # the whole prompt; the task prefills tokens[reused:]
+    reused: int  # leading tokens whose K/V come from the prefix blocks passed along
+    max_new_tokens: int = 0  # 0: prefill only (materialize, extend, replicas)
+    sampling: SamplingParams = GREEDY
+    stream: int = 0  # branch index, seeds sampling per branch
+    return_logits: bool = False
+    op: str = "prefill"  # lifecycle op it serves (materialize, resume, recompute, calibrate, ...)
+    state_id: str = ""  # the state it produces, for events and lineage
+
+
 @dataclass(slots=True)
 class PrefillOutput:
     generated: list[int]  # sampled tokens (empty for a pure prefill)
@@ -59,12 +77,25 @@ class PrefillOutput:
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """The small, tensor-free part of a prefill: safe to gather to the client."""
+    """The small, block-free part of a prefill: safe to gather to the client."""
 
     generated: list[int]
     metrics: dict = field(hash=False)
     worker: str = ""
     logits: torch.Tensor | None = field(default=None, hash=False)
+
+
+# The scheduler plans memory and transfers from these sizes: report the tensors, not the
+# few hundred bytes of the Python objects around them.
+@sizeof.register(PrefillOutput)
+def _sizeof_prefill_output(out: PrefillOutput) -> int:
+    tensors = sum(sizeof_torch_tensor(b) for b in out.blocks)
+    return tensors + (0 if out.logits is None else sizeof_torch_tensor(out.logits)) + 64 + 8 * len(out.generated)
+
+
+@sizeof.register(GenerationResult)
+def _sizeof_generation_result(res: GenerationResult) -> int:
+    return (0 if res.logits is None else sizeof_torch_tensor(res.logits)) + 64 + 8 * len(res.generated)
 
 
 def _default_device(spec: ModelSpec) -> str:
@@ -109,28 +140,27 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
     return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids))
 
 
-def prefill(
-    spec: ModelSpec,
-    tokens: list[int],
-    reused: int,
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    stream: int,
-    return_logits: bool,
-    *prefix_blocks: torch.Tensor,
-) -> PrefillOutput:
-    """Prefill ``tokens[reused:]`` on top of ``prefix_blocks`` (which hold >= reused tokens)."""
+def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) -> PrefillOutput:
+    """Prefill ``req.tokens[req.reused:]`` on top of ``prefix_blocks`` (>= reused tokens)."""
     runner = get_runner(spec)
     t0 = time.perf_counter()
     out = runner.run(
-        list(prefix_blocks), reused, list(tokens[reused:]), max_new_tokens, sampling or GREEDY, stream, return_logits
+        list(prefix_blocks),
+        req.reused,
+        list(req.tokens[req.reused :]),
+        req.max_new_tokens,
+        req.sampling or GREEDY,
+        req.stream,
+        req.return_logits,
     )
     worker = _worker_address()
     _report(
         {
             "worker": worker,
-            "new_tokens": len(tokens) - reused,
-            "prefix_tokens": reused,
+            "op": req.op,
+            "state_id": req.state_id,
+            "new_tokens": len(req.tokens) - req.reused,
+            "prefix_tokens": req.reused,
             "seconds": out.metrics.prefill_s,
             "load_seconds": out.metrics.load_s,
             "task_seconds": time.perf_counter() - t0,

@@ -1,0 +1,259 @@
+"""One prefix, k branch tails: the cache and the attention kernel behind batched resume.
+
+``SharedPrefixCache`` holds a forked state's prefix K/V once and every branch's own tokens
+(its suffix and what it generated) in one flat, ragged pool per layer: branch b owns
+``pool[:, off[b] : off[b] + cap[b]]`` with ``cap[b]`` = exactly the tokens it will feed, so
+memory is prefix + the sum of the branch tails, with no padding and no k-fold prefix copy.
+
+``batched_attention`` is registered with transformers (``AttentionInterface``) and reads
+the prefix and the tails from the cache handed to it in the forward's kwargs. Two ways:
+
+replay (default) - each branch's query rows go through the model's own attention kernel
+    (``daskflow_exact`` in bf16, SDPA in fp32) over a [prefix | own tail] key view built in a
+    workspace that holds the prefix once per layer: same function, same shapes, same mask as
+    a single-branch resume, so the output is bit-identical by construction (checked in the
+    tests). Attention FLOPs are those of k single resumes; the weight passes are batched.
+shared - all branches' queries hit the prefix in one matmul (the prefix is read once per
+    step), each branch's tail in a padded bmm, and the two parts are merged by log-sum-exp
+    in fp32. Exact in real arithmetic; fp32 rounding may differ from the single path.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+BATCHED_ATTENTION = "daskflow_batched"
+CTX_KW = "daskflow_batch"  # forward kwarg carrying the SharedPrefixCache to the kernel
+MODES = ("replay", "shared")
+
+
+class _PastLength:
+    """Stands in for a single-branch cache of ``n`` tokens when asking transformers for a mask."""
+
+    is_compileable = False
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.n
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+
+class SharedPrefixCache:
+    """Prefix K/V once ([1, kvh, P, d] per layer) plus a ragged tail pool per layer."""
+
+    def __init__(self, config, prefix_len, tail_caps, kv_heads, head_dim, dtype, device, mode="replay"):
+        if mode not in MODES:
+            raise ValueError(f"attention mode {mode!r}; expected one of {MODES}")
+        self.config = config  # the ORIGINAL model config: its attention kernel and mask are replayed
+        self.mode = mode  # replay | shared
+        self.prefix_len = prefix_len  # P, tokens shared by every branch
+        self.caps = list(tail_caps)  # tokens each branch will feed (suffix + generated - 1)
+        self.offsets = [sum(self.caps[:b]) for b in range(len(self.caps))]  # branch start in the pool
+        self.lens = [0] * len(self.caps)  # tokens each branch has in the pool
+        self.dtype, self.device = dtype, device
+        self.orig_attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+        # The exact kernel works in fp32: give it fp32 keys so it does not convert per branch.
+        self.work_dtype = torch.float32 if config._attn_implementation != "sdpa" and mode == "replay" else dtype
+        t_max, P = max(self.caps, default=0), prefix_len
+        n_layers = config.num_hidden_layers
+        own_ws = mode == "replay" and self.work_dtype == dtype  # prefix lives in the workspace itself
+        shape = (1, kv_heads, P + (t_max if own_ws else 0), head_dim)
+        pool = (kv_heads, sum(self.caps), head_dim)
+        self.prefix = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                       for _ in range(n_layers)]  # [1, kvh, P(+T), d]; [:P] is the prefix
+        self.pool = [(torch.empty(pool, dtype=dtype, device=device), torch.empty(pool, dtype=dtype, device=device))
+                     for _ in range(n_layers)]  # [kvh, sum(caps), d]
+        self.scratch = None  # one fp32 [1, kvh, P + T, d] K/V pair shared by all layers (bf16 replay)
+        if mode == "replay" and not own_ws:
+            ws = (1, kv_heads, P + t_max, head_dim)
+            self.scratch = (torch.empty(ws, dtype=self.work_dtype, device=device),
+                            torch.empty(ws, dtype=self.work_dtype, device=device))
+        elem = torch.finfo(dtype).bits // 8
+        self.kv_bytes = sum(t.numel() * elem for pair in self.prefix + self.pool for t in pair)  # held K/V
+        self.scratch_bytes = sum(t.numel() * t.element_size() for t in self.scratch) if self.scratch else 0
+        self._step = None  # per-forward plan, set by begin_step
+
+    # -- loading and export ------------------------------------------------------------------
+    def load_prefix(self, blocks: list[torch.Tensor]) -> None:
+        """Copy the first P tokens of ``blocks`` ([layers, 2, kvh, t, d] each) into the prefix."""
+        pos = 0
+        for block in blocks:
+            take = min(block.shape[3], self.prefix_len - pos)
+            if take <= 0:
+                break
+            block = block.to(self.device, non_blocking=True)
+            for (k, v), layer in zip(self.prefix, block):
+                k[0, :, pos : pos + take].copy_(layer[0, :, :take])
+                v[0, :, pos : pos + take].copy_(layer[1, :, :take])
+            pos += take
+        if pos < self.prefix_len:
+            raise ValueError(f"prefix blocks hold {pos} tokens, fewer than the {self.prefix_len} asked for")
+
+    def branch_kv(self, layer: int, b: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Branch b's K/V for absolute positions [start, end) as [kvh, end - start, d]."""
+        P, off = self.prefix_len, self.offsets[b]
+        (pk, pv), (tk, tv) = self.prefix[layer], self.pool[layer]
+        parts_k, parts_v = [], []
+        if start < P:
+            parts_k.append(pk[0, :, start : min(end, P)])
+            parts_v.append(pv[0, :, start : min(end, P)])
+        if end > P:
+            s = max(start, P) - P
+            parts_k.append(tk[:, off + s : off + end - P])
+            parts_v.append(tv[:, off + s : off + end - P])
+        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+    # -- one forward -------------------------------------------------------------------------
+    def begin_step(self, active: list[int], q_lens: list[int], width: int, position_ids: torch.Tensor) -> None:
+        """Plan a forward of ``width`` left-padded query rows for the ``active`` branches."""
+        dev = self.device
+        src, dst = [], []
+        for j, (b, q) in enumerate(zip(active, q_lens)):
+            if self.lens[b] + q > self.caps[b]:
+                raise RuntimeError(f"branch {b} would exceed its tail capacity {self.caps[b]}")
+            src.extend(j * width + t for t in range(width - q, width))
+            dst.extend(range(self.offsets[b] + self.lens[b], self.offsets[b] + self.lens[b] + q))
+        dense = len(src) == len(active) * width
+        step = {
+            "active": active, "q_lens": q_lens, "width": width, "position_ids": position_ids,
+            "src": None if dense else torch.tensor(src, device=dev), "dst": torch.tensor(dst, device=dev),
+            "new_lens": [self.lens[b] + q for b, q in zip(active, q_lens)],
+        }
+        if self.mode == "replay":  # the mask each branch would get from a single-branch resume
+            step["masks"] = [self._single_mask(q, self.prefix_len + self.lens[b]) for b, q in zip(active, q_lens)]
+        else:
+            step.update(self._shared_plan(active, q_lens, width))
+        self._step = step
+
+    def end_step(self) -> None:
+        for b, n in zip(self._step["active"], self._step["new_lens"]):
+            self.lens[b] = n
+        self._step = None
+
+    def _single_mask(self, q_len: int, past: int):
+        probe = torch.empty((1, q_len, 1), dtype=self.dtype, device=self.device)
+        pos = torch.arange(past, past + q_len, device=self.device).unsqueeze(0)
+        return create_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None,
+                                  cache=_PastLength(past), position_ids=pos)
+
+    def _shared_plan(self, active, q_lens, width):
+        n_max = max(self.lens[b] + q for b, q in zip(active, q_lens))
+        lens_after = torch.tensor([self.lens[b] + q for b, q in zip(active, q_lens)], device=self.device)
+        offs = torch.tensor([self.offsets[b] for b in active], device=self.device)
+        key_pos = torch.arange(n_max, device=self.device)
+        # query row t of branch j sits at tail offset lens_after[j] - width + t (left padding)
+        q_pos = lens_after[:, None] - width + torch.arange(width, device=self.device)[None, :]
+        visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens_after[:, None, None])
+        # pool slot of each (branch, key); padding keys point at the branch's first slot (masked)
+        gather = torch.where(key_pos[None, :] < lens_after[:, None], offs[:, None] + key_pos[None, :], offs[:, None])
+        return {"n_max": n_max, "visible": visible, "gather": gather.reshape(-1)}
+
+    # -- transformers cache protocol ---------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Write the real (unpadded) rows of this step's K/V into each branch's tail."""
+        st = self._step
+        for new, buf in zip((key_states, value_states), self.pool[layer_idx]):
+            a, kvh, q, d = new.shape
+            rows = new.transpose(0, 1).reshape(kvh, a * q, d)
+            if st["src"] is not None:
+                rows = rows.index_select(1, st["src"])
+            buf.index_copy_(1, st["dst"], rows)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix_len + max(self.lens, default=0)
+
+    # -- attention ---------------------------------------------------------------------------
+    def attend(self, module, query, scaling, kwargs):
+        if self.mode == "replay":
+            return self._attend_replay(module, query, scaling, kwargs)
+        return self._attend_shared(module, query, scaling)
+
+    def _attend_replay(self, module, query, scaling, kwargs):
+        st, P = self._step, self.prefix_len
+        layer = module.layer_idx
+        (pk, pv), (tk, tv) = self.prefix[layer], self.pool[layer]
+        if self.scratch is not None:  # bf16: convert the prefix to fp32 once per layer, for all branches
+            wk, wv = self.scratch
+            wk[:, :, :P].copy_(pk)
+            wv[:, :, :P].copy_(pv)
+        else:
+            wk, wv = pk, pv
+        a, h, width, d = query.shape
+        out = query.new_zeros((a, width, h, d))
+        extra = {k: v for k, v in kwargs.items() if k not in (CTX_KW, "position_ids")}
+        for j, (b, q, n) in enumerate(zip(st["active"], st["q_lens"], st["new_lens"])):
+            off = self.offsets[b]
+            wk[0, :, P : P + n].copy_(tk[:, off : off + n])
+            wv[0, :, P : P + n].copy_(tv[:, off : off + n])
+            o, _ = self.orig_attention(
+                module, query[j : j + 1, :, width - q :], wk[:, :, : P + n], wv[:, :, : P + n], st["masks"][j],
+                scaling=scaling, position_ids=st["position_ids"][j : j + 1, width - q :], **extra,
+            )
+            out[j, width - q :] = o[0]
+        return out, None
+
+    def _attend_shared(self, module, query, scaling):
+        st, P = self._step, self.prefix_len
+        layer = module.layer_idx
+        (pk, pv), (tk, tv) = self.prefix[layer], self.pool[layer]
+        a, h, w, d = query.shape
+        kvh = pk.shape[1]
+        g = h // kvh
+        scale = scaling if scaling is not None else d**-0.5
+        q32 = query.float().reshape(a, kvh, g * w, d)  # [a, kvh, g*w, d]
+        n_max = st["n_max"]
+        # tail part: each branch against its own (padded) tail
+        kt = tk.index_select(1, st["gather"]).float().reshape(kvh, a, n_max, d).transpose(0, 1)
+        vt = tv.index_select(1, st["gather"]).float().reshape(kvh, a, n_max, d).transpose(0, 1)
+        s_t = torch.matmul(q32, kt.transpose(-1, -2)).mul_(scale).reshape(a, kvh, g, w, n_max)
+        s_t = s_t.masked_fill(~st["visible"][:, None, None], float("-inf")).reshape(a, kvh, g * w, n_max)
+        m = s_t.amax(-1, keepdim=True)
+        if P:
+            # prefix part: every query row of every branch in one matmul; the prefix is read once
+            qp = q32.transpose(0, 1).reshape(kvh, a * g * w, d)
+            s_p = torch.matmul(qp, pk[0].float().transpose(-1, -2)).mul_(scale)  # [kvh, a*g*w, P]
+            m_p = s_p.amax(-1, keepdim=True)
+            e_p = torch.exp(s_p - m_p)
+            l_p = e_p.sum(-1, keepdim=True).reshape(kvh, a, g * w, 1).transpose(0, 1)
+            o_p = torch.matmul(e_p, pv[0].float()).reshape(kvh, a, g * w, d).transpose(0, 1)
+            m_p = m_p.reshape(kvh, a, g * w, 1).transpose(0, 1)
+            m = torch.maximum(m, m_p)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing (padding)
+        e_t = torch.exp(s_t - m)
+        l = e_t.sum(-1, keepdim=True)
+        o = torch.matmul(e_t, vt)
+        if P:
+            w_p = torch.exp(m_p - m)
+            l = l + l_p * w_p
+            o = o + o_p * w_p
+        o = torch.nan_to_num(o / l)  # [a, kvh, g*w, d]
+        return o.reshape(a, h, w, d).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def batched_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered kernel: query [b, h, q, d]; keys come from the cache in ``kwargs``."""
+    cache = kwargs.get(CTX_KW)
+    if cache is None:
+        raise RuntimeError(f"{BATCHED_ATTENTION} needs the SharedPrefixCache passed as {CTX_KW}=")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("batched resume does not support sliding-window layers")
+    return cache.attend(module, query, scaling, kwargs)
+
+
+def _no_mask(*args, **kwargs):
+    return None  # masks are the cache's business; the forward also passes a ready 4-D mask
+
+
+def register_batched_attention() -> str:
+    """Register the kernel with transformers (idempotent) and return its name."""
+    AttentionInterface.register(BATCHED_ATTENTION, batched_attention)
+    AttentionMaskInterface.register(BATCHED_ATTENTION, _no_mask)
+    return BATCHED_ATTENTION

@@ -1,0 +1,204 @@
+"""Compile a workflow into the stateful graph G_s = (V, E_data, E_state) and check it.
+
+Compile time catches bad specs (unknown names, cycles, impossible concat merges, prompts
+over the model's context) and orders agents into levels: an agent runs once everything it
+reads exists. Inside a level, agents whose prompts share a token prefix form a group: the
+prefix is materialized once, forked to the members, and each member resumes with its own
+suffix. Prompts that depend on upstream outputs are only known at run time, so groups are
+found per level as the run reaches it (``group_by_prefix``, the same function here and in
+the executor); at compile time those prompts are estimated with placeholder outputs of the
+upstream agents' maximum length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .blocks import common_prefix_len
+from .errors import ContextTooLongError, WorkflowError
+from .prompts import prompt_tokens
+from .workflow import Workflow
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    members: tuple[str, ...]  # agents sharing the prefix, in declaration order
+    prefix_len: int  # tokens they all start with (each keeps >= 1 token of its own)
+
+
+def group_by_prefix(prompts: Mapping[str, Sequence[int]], min_shared: int) -> list[Group]:
+    """Partition agents into groups whose prompts share >= ``min_shared`` leading tokens.
+
+    Greedy over prompts in sorted token order (neighbours share the longest prefixes): an
+    agent joins the current group while the group's common prefix stays >= min_shared.
+    A lone agent is a group of one with prefix_len = len(prompt) - 1.
+    """
+    order = sorted(prompts, key=lambda a: (list(prompts[a]), a))
+    groups: list[list[str]] = []
+    lcp: list[int] = []
+    for name in order:
+        if groups:
+            shared = min(lcp[-1], common_prefix_len(prompts[groups[-1][0]], prompts[name]))
+            if shared >= min_shared:
+                groups[-1].append(name)
+                lcp[-1] = shared
+                continue
+        groups.append([name])
+        lcp.append(len(prompts[name]))
+    out = []
+    for members, shared in zip(groups, lcp):
+        shortest = min(len(prompts[m]) for m in members)
+        out.append(Group(tuple(sorted(members, key=list(prompts).index)), min(shared, shortest - 1)))
+    return out
+
+
+@dataclass(slots=True)
+class StateNode:
+    id: str  # "m0", "f0", "r:agent" ...
+    kind: str  # materialize | fork | resume
+    tokens: int  # tokens this node covers (prefix length, or the agent's suffix)
+    agents: tuple[str, ...]  # agents served
+    level: int
+    estimated: bool = False  # prompt built with placeholder upstream outputs
+
+
+@dataclass(slots=True)
+class CompiledWorkflow:
+    workflow: Workflow
+    levels: list[list[str]]  # agents by topological level
+    data_edges: list[tuple[str, str]]  # (source context/agent, reader agent)
+    state_nodes: list[StateNode] = field(default_factory=list)
+    state_edges: list[tuple[str, str]] = field(default_factory=list)  # (producer node, consumer node)
+    block_size: int = 64
+
+    def explain(self) -> str:
+        wf = self.workflow
+        lines = [f"workflow {wf.name}: {len(wf.contexts)} contexts, {len(wf.agents)} agents, {len(self.levels)} levels"]
+        lines.append("data edges: " + ", ".join(f"{a}->{b}" for a, b in self.data_edges))
+        for lvl, names in enumerate(self.levels):
+            lines.append(f"level {lvl}: {', '.join(names)}")
+            for node in (n for n in self.state_nodes if n.level == lvl):
+                est = " (estimated: upstream outputs unknown until run time)" if node.estimated else ""
+                lines.append(f"  {node.id:<14} {node.kind:<11} {node.tokens:>6} tok  {','.join(node.agents)}{est}")
+        lines.append("state edges: " + ", ".join(f"{a}->{b}" for a, b in self.state_edges))
+        return "\n".join(lines)
+
+
+def _levels(wf: Workflow) -> list[list[str]]:
+    for agent in wf.agents.values():
+        if agent.follows is not None and agent.follows not in wf.agents:
+            raise WorkflowError(f"agent {agent.name!r} follows {agent.follows!r}, which is not an agent")
+        for src in agent.reads:
+            if src not in wf.agents and src not in wf.contexts:
+                raise WorkflowError(
+                    f"agent {agent.name!r} reads {src!r}, which is neither a context nor an agent "
+                    f"(contexts: {sorted(wf.contexts)}; agents: {sorted(wf.agents)})"
+                )
+    level: dict[str, int] = {}
+    visiting: list[str] = []
+
+    def visit(name: str) -> int:
+        if name in level:
+            return level[name]
+        if name in visiting:
+            cycle = visiting[visiting.index(name) :] + [name]
+            raise WorkflowError(f"cycle in workflow {wf.name!r}: {' -> '.join(cycle)}")
+        visiting.append(name)
+        ups = [visit(src) + 1 for src in _upstream(wf, name)]
+        visiting.pop()
+        level[name] = max(ups, default=0)
+        return level[name]
+
+    for name in wf.agents:
+        visit(name)
+    out: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
+    for name in wf.agents:  # declaration order inside a level
+        out[level[name]].append(name)
+    return out
+
+
+def _upstream(wf: Workflow, name: str) -> list[str]:
+    agent = wf.agents[name]
+    return [s for s in agent.reads if s in wf.agents] + ([agent.follows] if agent.follows else [])
+
+
+def _ancestors(wf: Workflow, name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for src in _upstream(wf, todo.pop()):
+            if src not in seen:
+                seen.add(src)
+                todo.append(src)
+    return seen
+
+
+def _outputs_in_prompt(wf: Workflow, name: str) -> set[str]:
+    """Agents whose outputs an agent's prompt contains (its reads, and its follows chain's)."""
+    agent = wf.agents[name]
+    out = {r for r in agent.reads if r in wf.agents}
+    if agent.follows:
+        out |= {agent.follows} | _outputs_in_prompt(wf, agent.follows)
+    return out
+
+
+def _check_merges(wf: Workflow) -> None:
+    """concat merges only along one chain: each read agent must descend from the previous."""
+    for agent in wf.agents.values():
+        ups = [r for r in agent.reads if r in wf.agents]
+        if agent.merge != "concat" or len(ups) < 2:
+            continue
+        for prev, nxt in zip(ups, ups[1:]):
+            if prev not in _ancestors(wf, nxt):
+                raise WorkflowError(
+                    f"agent {agent.name!r}: cannot concat-merge the states of {prev!r} and {nxt!r}: they are "
+                    f"separate branches whose K/V never attended to each other; use merge='text'"
+                )
+
+
+def compile_workflow(wf: Workflow, tokenizer, max_positions: int, block_size: int = 64) -> CompiledWorkflow:
+    if not wf.agents:
+        raise WorkflowError(f"workflow {wf.name!r} has no agents")
+    levels = _levels(wf)
+    _check_merges(wf)
+    edges = [(src, a.name) for a in wf.agents.values() for src in a.reads + ((a.follows,) if a.follows else ())]
+    cw = CompiledWorkflow(wf, levels, edges, block_size=block_size)
+    empty = {n: "" for n in wf.agents}  # upstream outputs are unknown until run time
+    for lvl, names in enumerate(levels):
+        prompts = {}
+        for name in names:
+            toks = prompt_tokens(wf, wf.agents[name], empty, tokenizer)
+            # Upper bound: every upstream output that appears in the prompt at its maximum length.
+            bound = len(toks) + sum(wf.agents[u].max_new_tokens for u in _outputs_in_prompt(wf, name))
+            need = bound + wf.agents[name].max_new_tokens
+            if need > max_positions:
+                raise ContextTooLongError(
+                    f"agent {name!r}: prompt of up to {bound} tokens + {wf.agents[name].max_new_tokens} to generate "
+                    f"= {need} exceeds the model's {max_positions} positions"
+                )
+            prompts[name] = toks
+        add_level_nodes(cw, lvl, prompts, estimated=lvl > 0)
+    return cw
+
+
+def add_level_nodes(cw: CompiledWorkflow, lvl: int, prompts: Mapping[str, Sequence[int]], estimated: bool) -> None:
+    """Materialize/fork/resume nodes for one level; state edges from upstream resumes."""
+    old = {n.id for n in cw.state_nodes if n.level == lvl}  # run time replaces the estimate
+    cw.state_nodes = [n for n in cw.state_nodes if n.level != lvl]
+    cw.state_edges = [e for e in cw.state_edges if e[1] not in old]
+    wf = cw.workflow
+    for gi, group in enumerate(group_by_prefix(prompts, cw.block_size)):
+        mid = f"m{lvl}.{gi}"
+        cw.state_nodes.append(StateNode(mid, "materialize", group.prefix_len, group.members, lvl, estimated))
+        for up in sorted({u for a in group.members for u in _upstream(wf, a)}):
+            cw.state_edges.append((f"r:{up}", mid))  # an upstream state may hold part of the prefix
+        if len(group.members) > 1:
+            fid = f"f{lvl}.{gi}"
+            cw.state_nodes.append(StateNode(fid, "fork", group.prefix_len, group.members, lvl, estimated))
+            cw.state_edges.append((mid, fid))
+            mid = fid
+        for a in group.members:
+            rid = f"r:{a}"
+            suffix = len(prompts[a]) - group.prefix_len
+            cw.state_nodes.append(StateNode(rid, "resume", suffix, (a,), lvl, estimated))
+            cw.state_edges.append((mid, rid))

@@ -1,0 +1,194 @@
+"""Run a compiled workflow on Dask, in state mode, text mode, or both side by side.
+
+State mode lowers each level to KV operations on a ``KVRuntime``: per group of agents
+sharing a prompt prefix, one materialize (which itself reuses any cached prefix, such as
+an upstream agent's continuation state), a fork, and one resume per agent placed by the
+cost model. Text mode sends every agent's whole prompt to a worker, the baseline. Both
+build prompts from the same text, so their tokens must agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+
+from .compiler import CompiledWorkflow, add_level_nodes, group_by_prefix
+from .prompts import prompt_tokens
+from .workflow import Workflow
+
+_RUNTIME_POLICY = {"auto": "auto", "fork": "auto", "evict": "auto", "alias": "pin", "pin": "pin",
+                   "transfer": "transfer", "recompute": "recompute"}
+
+
+@dataclass(slots=True)
+class AgentResult:
+    name: str
+    level: int
+    text: str  # decoded output
+    tokens: list[int]  # generated ids
+    prompt_tokens: int  # prompt length fed to the model
+    worker: str  # where the agent's decode ran
+    ttft_s: float  # shared prefix materialize (wall) + load + suffix prefill on the worker
+    prefill_s: float  # seconds prefilling on the worker (this agent's part)
+    decode_s: float
+    tokens_reused: int  # prompt tokens taken from KV blocks
+    tokens_computed: int  # prompt tokens prefilled for this agent (its share of a group prefix excluded)
+    bytes_transferred: int = 0  # KV bytes the plan moved to this agent's worker for it
+    decision: str = ""  # reuse | transfer | recompute | text
+
+
+@dataclass(slots=True)
+class WorkflowResult:
+    workflow: str
+    mode: str  # state | text
+    agents: dict[str, AgentResult]
+    wall_s: float
+    level_tokens_computed: list[int]  # prompt tokens prefilled per level (group prefixes included)
+    graph: CompiledWorkflow | None = None
+    lineage: dict[str, list[dict]] = field(default_factory=dict)
+    explain: str = ""
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(a.tokens) for a in self.agents.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "workflow": self.workflow,
+            "mode": self.mode,
+            "wall_s": self.wall_s,
+            "level_tokens_computed": self.level_tokens_computed,
+            "agents": {n: asdict(a) for n, a in self.agents.items()},
+            "lineage": self.lineage,
+        }
+
+
+@dataclass(slots=True)
+class Comparison:
+    state: WorkflowResult
+    text: WorkflowResult
+
+    @property
+    def agreement(self) -> dict[str, bool]:
+        return {n: a.tokens == self.text.agents[n].tokens for n, a in self.state.agents.items()}
+
+    @property
+    def all_agree(self) -> bool:
+        return all(self.agreement.values())
+
+    def as_dict(self) -> dict:
+        return {"state": self.state.as_dict(), "text": self.text.as_dict(), "agreement": self.agreement}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, default=str)
+
+
+def _metrics(gen) -> dict:
+    return gen.metrics if isinstance(gen.metrics, dict) else gen.metrics.as_dict()
+
+
+def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
+    wf = cw.workflow
+    outputs: dict[str, str] = {}
+    results: dict[str, AgentResult] = {}
+    level_tokens = []
+    t0 = time.perf_counter()
+    for lvl, names in enumerate(cw.levels):
+        if progress:
+            progress("text", lvl, len(cw.levels), names)
+        prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
+        futures = {
+            n: rt.generate_text(prompts[n], wf.agents[n].max_new_tokens, wf.agents[n].sampling, stream=i)
+            for i, n in enumerate(names)
+        }
+        level_tokens.append(sum(len(p) for p in prompts.values()))
+        for n, fut in futures.items():
+            res = fut.result()
+            m = _metrics(res)
+            outputs[n] = rt.decode(res.generated)
+            results[n] = AgentResult(n, lvl, outputs[n], list(res.generated), len(prompts[n]), res.worker,
+                                     m["ttft_s"], m["prefill_s"], m["decode_s"], 0, len(prompts[n]), 0, "text")
+    return WorkflowResult(wf.name, "text", results, time.perf_counter() - t0, level_tokens, cw)
+
+
+def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
+    wf = cw.workflow
+    outputs: dict[str, str] = {}
+    results: dict[str, AgentResult] = {}
+    lineage: dict[str, list[dict]] = {}
+    states = {}
+    level_tokens = []
+    t0 = time.perf_counter()
+    for lvl, names in enumerate(cw.levels):
+        if progress:
+            progress("state", lvl, len(cw.levels), names)
+        prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
+        add_level_nodes(cw, lvl, prompts, estimated=False)
+        computed = 0
+        buckets: dict[tuple, list] = {}
+        shared_s: dict[str, float] = {}
+        for group in group_by_prefix(prompts, rt.block_size):
+            first = prompts[group.members[0]]
+            tm = time.perf_counter()
+            prefix = rt.materialize(first[: group.prefix_len])  # reuses any cached part of it
+            rt.wait([prefix])
+            event = prefix.state.lineage[-1].as_dict()
+            computed += event["tokens_computed"]
+            for member, branch in zip(group.members, rt.fork(prefix, len(group.members))):
+                a = wf.agents[member]
+                shared_s[member] = time.perf_counter() - tm
+                key = (a.max_new_tokens, a.sampling, _RUNTIME_POLICY[a.policy])
+                buckets.setdefault(key, []).append((member, branch, prompts[member][group.prefix_len :]))
+            rt.release(prefix)
+        for (max_new, sampling, policy), reqs in buckets.items():
+            gens = rt.resume_many([(b, s) for _, b, s in reqs], max_new, sampling, policy=policy)
+            for (name, branch, suffix), gen in zip(reqs, gens):
+                m = _metrics(gen)
+                d = gen.placement.decision
+                moved = d.nbytes if (d is not None and d.action == "transfer" and gen.placement.recompute_tokens == 0
+                                     and _first_on_worker(gen, gens)) else 0
+                computed += m["tokens_computed"]
+                outputs[name] = gen.text
+                results[name] = AgentResult(
+                    name, lvl, gen.text, list(gen.tokens), len(prompts[name]), gen.worker,
+                    shared_s[name] + m["ttft_s"], m["prefill_s"], m["decode_s"], m["tokens_reused"],
+                    m["tokens_computed"], moved, d.action if d is not None else "reuse",
+                )
+                lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
+                states[name] = gen.state
+                rt.release(branch)
+                if wf.agents[name].policy == "evict":
+                    rt.release(gen.state)
+        level_tokens.append(computed)
+    result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage)
+    result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
+    for st in states.values():
+        rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
+    return result
+
+
+def _first_on_worker(gen, gens) -> bool:
+    """Bytes move once per destination: charge them to the first branch placed there."""
+    same = [g for g in gens if g.worker == gen.worker and g.placement.decision is gen.placement.decision]
+    return same[0] is gen if same else False
+
+
+def run_workflow(wf: Workflow, mode: str = "state", runtime=None, **runtime_kwargs):
+    """Compile ``wf`` and run it; ``mode`` is state, text or both (returns a Comparison)."""
+    if mode not in ("state", "text", "both"):
+        raise ValueError(f"mode must be state, text or both, not {mode!r}")
+    with ExitStack() as stack:
+        if runtime is None:
+            from .runtime.cluster import embedded_runtime
+
+            runtime = stack.enter_context(embedded_runtime(**runtime_kwargs))
+        cw = wf.compile(runtime.tokenizer, runtime.facts.max_positions, runtime.block_size)
+        if mode == "text":
+            return run_text_mode(cw, runtime)
+        state = run_state_mode(cw, runtime)
+        if mode == "state":
+            return state
+        text = run_text_mode(wf.compile(runtime.tokenizer, runtime.facts.max_positions, runtime.block_size), runtime)
+        return Comparison(state, text)

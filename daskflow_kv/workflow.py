@@ -1,0 +1,97 @@
+"""Describe a multi-agent workflow: shared contexts, agents, and who reads what.
+
+Reads like LangGraph/AutoGen: add contexts (documents, retrieved passages) and agents
+(role, instructions, generation settings); an agent ``reads`` contexts and other agents,
+whose outputs become part of its prompt. Nothing about KV state appears here: the
+compiler finds which prompts share token prefixes and decides how state moves.
+
+    wf = Workflow("review", system="You are a careful analyst.")
+    doc = wf.context("report", report_text)
+    a = wf.agent("optimist", "List the strengths.", reads=[doc])
+    b = wf.agent("skeptic", "List the weaknesses.", reads=[doc])
+    j = wf.agent("judge", "Weigh both views.", reads=[doc, a, b], merge="text")
+    wf.agent("editor", "Shorten the verdict.", follows=j)  # a new turn of j's conversation
+    result = wf.run(mode="both")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import WorkflowError
+from .sampling import GREEDY, SamplingParams
+
+STATE_POLICIES = ("auto", "transfer", "alias", "fork", "recompute", "pin", "evict")
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    name: str  # unique among contexts and agents
+    text: str  # the document, passages or notes an agent may read
+    title: str = ""  # how the prompt introduces it ("" = the name)
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    name: str  # unique among contexts and agents
+    instructions: str  # this agent's own task; always last in its prompt
+    reads: tuple[str, ...] = ()  # contexts and agents whose text precede the instructions
+    role: str = ""  # optional persona, placed before the instructions
+    max_new_tokens: int = 48
+    sampling: SamplingParams = GREEDY
+    policy: str = "auto"  # state policy sigma for this agent's state edge
+    merge: str = "auto"  # how outputs of several read agents combine: auto | text | concat
+    follows: str | None = None  # continue this agent's conversation (its prompt + answer) in a new turn
+
+
+@dataclass(slots=True)
+class Workflow:
+    name: str
+    system: str = "You are a helpful assistant."
+    contexts: dict[str, Context] = field(default_factory=dict)
+    agents: dict[str, Agent] = field(default_factory=dict)
+
+    # -- building -----------------------------------------------------------------------------
+    def context(self, name: str, text: str, title: str = "") -> str:
+        self._new_name(name)
+        self.contexts[name] = Context(name, text, title)
+        return name
+
+    def agent(
+        self,
+        name: str,
+        instructions: str,
+        reads=(),
+        role: str = "",
+        max_new_tokens: int = 48,
+        sampling: SamplingParams = GREEDY,
+        policy: str = "auto",
+        merge: str = "auto",
+        follows: str | None = None,
+    ) -> str:
+        self._new_name(name)
+        if policy not in STATE_POLICIES:
+            raise WorkflowError(f"agent {name!r}: unknown state policy {policy!r}; expected one of {STATE_POLICIES}")
+        if merge not in ("auto", "text", "concat"):
+            raise WorkflowError(f"agent {name!r}: merge must be auto, text or concat, not {merge!r}")
+        if max_new_tokens < 1:
+            raise WorkflowError(f"agent {name!r}: max_new_tokens must be >= 1")
+        reads = (reads,) if isinstance(reads, str) else tuple(reads)
+        self.agents[name] = Agent(name, instructions, reads, role, max_new_tokens, sampling, policy, merge, follows)
+        return name
+
+    def _new_name(self, name: str) -> None:
+        if not name or name in self.contexts or name in self.agents:
+            raise WorkflowError(f"name {name!r} is empty or already used in workflow {self.name!r}")
+
+    # -- running ------------------------------------------------------------------------------
+    def compile(self, tokenizer, max_positions: int, block_size: int = 64):
+        from .compiler import compile_workflow
+
+        return compile_workflow(self, tokenizer, max_positions, block_size)
+
+    def run(self, mode: str = "state", runtime=None, **runtime_kwargs):
+        """Run on ``runtime`` (a KVRuntime), or on an embedded local cluster."""
+        from .executor import run_workflow
+
+        return run_workflow(self, mode=mode, runtime=runtime, **runtime_kwargs)
