@@ -21,8 +21,8 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from .blocks import aligned_floor, split_spans
 from .model_runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
 
-_TWINS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 _TWIN_LOCK = threading.Lock()
 _READY_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)  # a 4-D mask: transformers builds none
 
@@ -105,8 +105,15 @@ def _forward(twin, cache: SharedPrefixCache, active: list[int], rows: list[list[
         pos[j] = torch.arange(start, start + width).clamp_(min=0)
     ids, pos = ids.to(device), pos.to(device)
     cache.begin_step(active, [len(r) for r in rows], width, pos)
-    out = twin(input_ids=ids, position_ids=pos, attention_mask=_READY_MASK.to(device), cache=cache,
-               use_cache=True, logits_to_keep=1, **{CTX_KW: cache})
+    out = twin(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=_READY_MASK.to(device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **{CTX_KW: cache},
+    )
     cache.end_step()
     return out.logits[:, -1].float()
 
@@ -129,8 +136,8 @@ def resume_batch(
 
     ``suffixes[i]`` (non-empty) is fed after the first ``prefix_len`` tokens of
     ``prefix_blocks``; branch i then decodes up to ``max_new_tokens[i]`` tokens or to EOS.
-    ``attention``: "replay" (bit-identical to a single resume) or "shared" (prefix read once
-    per step, log-sum-exp merge). ``prefill``: "batched" (one forward for all suffixes) or
+    ``attention``: "replay" (attention bit-identical to a single resume) or "shared" (prefix
+    read once per step, log-sum-exp merge; see batched_cache). ``prefill``: "batched" (one forward for all suffixes) or
     "per_branch" (one forward per suffix: the same matmul shapes as a single resume).
     """
     k = len(suffixes)
@@ -149,19 +156,28 @@ def resume_batch(
         raise ValueError(f"prefill={prefill!r}; expected 'batched' or 'per_branch'")
     twin = batched_twin(runner.model)
     caps = [len(s) + max(m, 1) - 1 for s, m in zip(suffixes, limits)]
-    cache = SharedPrefixCache(runner.model.config.get_text_config() if hasattr(runner.model.config, "get_text_config")
-                              else runner.model.config, prefix_len, caps, runner.kv_heads, runner.head_dim,
-                              runner.dtype, runner.device, mode=attention)
+    cache = SharedPrefixCache(
+        runner.model.config.get_text_config()
+        if hasattr(runner.model.config, "get_text_config")
+        else runner.model.config,
+        prefix_len,
+        caps,
+        runner.kv_heads,
+        runner.head_dim,
+        runner.dtype,
+        runner.device,
+        mode=attention,
+    )
     gens = [sampling.generator(s) for s in streams]
     generated: list[list[int]] = [[] for _ in range(k)]
     kept: list[list[torch.Tensor]] = [[] for _ in range(k)]
-    finished_at = [0.0] * k
     forwards = 0
 
     def take(active, logits):
+        greedy = logits.argmax(-1).tolist() if sampling.greedy else None  # one device sync for all rows
         for j, b in enumerate(active):
             if len(generated[b]) < limits[b]:
-                generated[b].append(choose(logits[j], sampling, gens[b]))
+                generated[b].append(greedy[j] if greedy is not None else choose(logits[j], sampling, gens[b]))
                 if return_logits:
                     kept[b].append(logits[j].clone())
 
@@ -192,7 +208,9 @@ def resume_batch(
     for b in range(k):
         te = time.perf_counter()
         fed = prefix_len + cache.lens[b]
-        blocks = _export(cache, b, aligned_floor(prefix_len, runner.block_size), fed, runner.block_size) if export else []
+        blocks = (
+            _export(cache, b, aligned_floor(prefix_len, runner.block_size), fed, runner.block_size) if export else []
+        )
         m = RunMetrics(tokens_reused=prefix_len, tokens_computed=len(suffixes[b]), tokens_generated=len(generated[b]))
         m.load_s, m.prefill_s, m.decode_s = t1 - t0, t2 - t1, finished_at[b] - t2
         m.export_s = time.perf_counter() - te
@@ -203,10 +221,20 @@ def resume_batch(
     bpt = runner.bytes_per_token
     tails = list(cache.lens)
     stats = BatchStats(
-        branches=k, mode=attention, prefix_tokens=prefix_len, tail_tokens=tails, reserved_tail_tokens=caps,
-        kv_bytes=cache.kv_bytes, ideal_kv_bytes=bpt * (prefix_len + sum(tails)),
-        unshared_kv_bytes=bpt * sum(prefix_len + t for t in tails), scratch_bytes=cache.scratch_bytes,
-        forwards=forwards, load_s=t1 - t0, prefill_s=t2 - t1, decode_s=t3 - t2, export_s=t4 - t3,
+        branches=k,
+        mode=attention,
+        prefix_tokens=prefix_len,
+        tail_tokens=tails,
+        reserved_tail_tokens=caps,
+        kv_bytes=cache.kv_bytes,
+        ideal_kv_bytes=bpt * (prefix_len + sum(tails)),
+        unshared_kv_bytes=bpt * sum(prefix_len + t for t in tails),
+        scratch_bytes=cache.scratch_bytes,
+        forwards=forwards,
+        load_s=t1 - t0,
+        prefill_s=t2 - t1,
+        decode_s=t3 - t2,
+        export_s=t4 - t3,
     )
     return BatchOutput(outputs, stats)
 
@@ -266,9 +294,11 @@ def resume_forks(
     out.stats = batch.stats
     for feed, run in zip(feeds, batch):
         tokens = list(state.tokens[:prefix]) + feed + run.generated[:-1]
-        new = engine._publish(tokens, kept, run.new_blocks, "resume", (state,), tokens_reused=prefix,
-                              tokens_computed=len(feed), batched=k)
+        new = engine._publish(
+            tokens, kept, run.new_blocks, "resume", (state,), tokens_reused=prefix, tokens_computed=len(feed), batched=k
+        )
         engine._states[new.state_id] = new
-        out.append(Generation(run.generated, engine.decode(run.generated), run.logits, run.metrics, new,
-                              new.own_blocks(state)))
+        out.append(
+            Generation(run.generated, engine.decode(run.generated), run.logits, run.metrics, new, new.own_blocks(state))
+        )
     return out

@@ -9,21 +9,31 @@ memory is prefix + the sum of the branch tails, with no padding and no k-fold pr
 the prefix and the tails from the cache handed to it in the forward's kwargs. Two ways:
 
 replay (default) - each branch's query rows go through the model's own attention kernel
-    (``daskflow_exact`` in bf16, SDPA in fp32) over a [prefix | own tail] key view built in a
+    (``daskflow_exact`` in bf16, SDPA in fp32) over a [prefix | own tail] key view of a
     workspace that holds the prefix once per layer: same function, same shapes, same mask as
-    a single-branch resume, so the output is bit-identical by construction (checked in the
-    tests). Attention FLOPs are those of k single resumes; the weight passes are batched.
+    a single-branch resume, so attention is bit-identical to it by construction. Attention
+    FLOPs are those of k single resumes; the weight passes are batched.
 shared - all branches' queries hit the prefix in one matmul (the prefix is read once per
     step), each branch's tail in a padded bmm, and the two parts are merged by log-sum-exp
-    in fp32. Exact in real arithmetic; fp32 rounding may differ from the single path.
+    in fp32. Exact in real arithmetic, but it rounds differently from the single-row kernel:
+    fine in fp32, while in bf16 a near-tie can flip a greedy token (seen on tiny-qwen2).
+
+What no batching can make bit-identical is the weight matmuls: a k-row GEMM may round
+differently from the one-row GEMV of a single decode step (measured on this CPU: fp32 rows
+differ by ~1e-6 relative; bf16 about one element in 64,000 by one ulp). That is the same
+class of difference as text mode (one long prefill) vs state mode (a suffix prefill).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .attention import EXACT_ATTENTION
 
 BATCHED_ATTENTION = "daskflow_batched"
 CTX_KW = "daskflow_batch"  # forward kwarg carrying the SharedPrefixCache to the kernel
@@ -58,23 +68,30 @@ class SharedPrefixCache:
         self.offsets = [sum(self.caps[:b]) for b in range(len(self.caps))]  # branch start in the pool
         self.lens = [0] * len(self.caps)  # tokens each branch has in the pool
         self.dtype, self.device = dtype, device
-        self.orig_attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+        self.orig_attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)  # None: eager
         # The exact kernel works in fp32: give it fp32 keys so it does not convert per branch.
-        self.work_dtype = torch.float32 if config._attn_implementation != "sdpa" and mode == "replay" else dtype
+        exact = config._attn_implementation == EXACT_ATTENTION
+        self.work_dtype = torch.float32 if exact and mode == "replay" else dtype
         t_max, P = max(self.caps, default=0), prefix_len
         n_layers = config.num_hidden_layers
         own_ws = mode == "replay" and self.work_dtype == dtype  # prefix lives in the workspace itself
         shape = (1, kv_heads, P + (t_max if own_ws else 0), head_dim)
         pool = (kv_heads, sum(self.caps), head_dim)
-        self.prefix = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                       for _ in range(n_layers)]  # [1, kvh, P(+T), d]; [:P] is the prefix
-        self.pool = [(torch.empty(pool, dtype=dtype, device=device), torch.empty(pool, dtype=dtype, device=device))
-                     for _ in range(n_layers)]  # [kvh, sum(caps), d]
+        self.prefix = [
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(n_layers)
+        ]  # [1, kvh, P(+T), d]; [:P] is the prefix
+        self.pool = [
+            (torch.empty(pool, dtype=dtype, device=device), torch.empty(pool, dtype=dtype, device=device))
+            for _ in range(n_layers)
+        ]  # [kvh, sum(caps), d]
         self.scratch = None  # one fp32 [1, kvh, P + T, d] K/V pair shared by all layers (bf16 replay)
         if mode == "replay" and not own_ws:
             ws = (1, kv_heads, P + t_max, head_dim)
-            self.scratch = (torch.empty(ws, dtype=self.work_dtype, device=device),
-                            torch.empty(ws, dtype=self.work_dtype, device=device))
+            self.scratch = (
+                torch.empty(ws, dtype=self.work_dtype, device=device),
+                torch.empty(ws, dtype=self.work_dtype, device=device),
+            )
         elem = torch.finfo(dtype).bits // 8
         self.kv_bytes = sum(t.numel() * elem for pair in self.prefix + self.pool for t in pair)  # held K/V
         self.scratch_bytes = sum(t.numel() * t.element_size() for t in self.scratch) if self.scratch else 0
@@ -122,8 +139,12 @@ class SharedPrefixCache:
             dst.extend(range(self.offsets[b] + self.lens[b], self.offsets[b] + self.lens[b] + q))
         dense = len(src) == len(active) * width
         step = {
-            "active": active, "q_lens": q_lens, "width": width, "position_ids": position_ids,
-            "src": None if dense else torch.tensor(src, device=dev), "dst": torch.tensor(dst, device=dev),
+            "active": active,
+            "q_lens": q_lens,
+            "width": width,
+            "position_ids": position_ids,
+            "src": None if dense else torch.tensor(src, device=dev),
+            "dst": torch.tensor(dst, device=dev),
             "new_lens": [self.lens[b] + q for b, q in zip(active, q_lens)],
         }
         if self.mode == "replay":  # the mask each branch would get from a single-branch resume
@@ -140,8 +161,9 @@ class SharedPrefixCache:
     def _single_mask(self, q_len: int, past: int):
         probe = torch.empty((1, q_len, 1), dtype=self.dtype, device=self.device)
         pos = torch.arange(past, past + q_len, device=self.device).unsqueeze(0)
-        return create_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None,
-                                  cache=_PastLength(past), position_ids=pos)
+        return create_causal_mask(
+            config=self.config, inputs_embeds=probe, attention_mask=None, cache=_PastLength(past), position_ids=pos
+        )
 
     def _shared_plan(self, active, q_lens, width):
         n_max = max(self.lens[b] + q for b, q in zip(active, q_lens))
@@ -186,6 +208,7 @@ class SharedPrefixCache:
             wv[:, :, :P].copy_(pv)
         else:
             wk, wv = pk, pv
+        attention = self.orig_attention or sys.modules[type(module).__module__].eager_attention_forward
         a, h, width, d = query.shape
         out = query.new_zeros((a, width, h, d))
         extra = {k: v for k, v in kwargs.items() if k not in (CTX_KW, "position_ids")}
@@ -193,9 +216,15 @@ class SharedPrefixCache:
             off = self.offsets[b]
             wk[0, :, P : P + n].copy_(tk[:, off : off + n])
             wv[0, :, P : P + n].copy_(tv[:, off : off + n])
-            o, _ = self.orig_attention(
-                module, query[j : j + 1, :, width - q :], wk[:, :, : P + n], wv[:, :, : P + n], st["masks"][j],
-                scaling=scaling, position_ids=st["position_ids"][j : j + 1, width - q :], **extra,
+            o, _ = attention(
+                module,
+                query[j : j + 1, :, width - q :],
+                wk[:, :, : P + n],
+                wv[:, :, : P + n],
+                st["masks"][j],
+                scaling=scaling,
+                position_ids=st["position_ids"][j : j + 1, width - q :],
+                **extra,
             )
             out[j, width - q :] = o[0]
         return out, None

@@ -90,6 +90,7 @@ def cmd_run(args, workflow: str) -> int:
     try:
         if getattr(rt.client, "dashboard_link", None):
             print(f"Dask dashboard: {rt.client.dashboard_link}", flush=True)
+            print(f"KV page:        {rt.client.dashboard_link.rsplit('/', 1)[0]}/kv", flush=True)
         print(f"model {args.model} ({args.dtype}) ready in {time.perf_counter() - t0:.1f}s", flush=True)
         wf = _build(workflow, args, rt.tokenizer)
         compile_ = lambda: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
@@ -171,12 +172,17 @@ def main(argv=None) -> int:
     exp = sub.add_parser("explain", help="print a workflow's stateful graph G_s")
     exp.add_argument("workflow")
     _common(exp, "tiny-llama")
+    from .catalog_export import add_catalog_subcommand
+
+    add_catalog_subcommand(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         args.explain = True
         return cmd_run(args, "rag")
     if args.command == "run":
         return cmd_run(args, args.workflow)
+    if args.command == "catalog":
+        return args.func(args)
     return cmd_explain(args)
 
 

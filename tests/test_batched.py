@@ -1,7 +1,6 @@
 """Batched resume of k forks over one shared prefix gives what k single resumes give."""
 
 import pytest
-import torch
 from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
 
 from daskflow_kv.batched import batched_twin, resume_batch, resume_forks
@@ -39,8 +38,9 @@ def test_batch_equals_single_resumes(engine, sampling, prefill):
     sufs = [engine.encode(s) for s in SUFFIXES]
     assert len({len(s) for s in sufs}) == len(sufs)  # really ragged
     streams = [3, 0, 7, 1]
-    out = resume_batch(engine.runner, blocks, len(ctx), sufs, LIMITS, sampling, streams, return_logits=True,
-                       prefill=prefill)
+    out = resume_batch(
+        engine.runner, blocks, len(ctx), sufs, LIMITS, sampling, streams, return_logits=True, prefill=prefill
+    )
     for suf, lim, stream, got in zip(sufs, LIMITS, streams, out):
         want = engine.runner.run(blocks, len(ctx), suf, lim, sampling, stream=stream, return_logits=True)
         _assert_same_run(got, want)
@@ -92,7 +92,7 @@ def test_resume_forks_matches_engine_resume(engine):
 
 def test_resume_forks_with_an_empty_suffix():
     engine = make_engine("tiny-qwen2", "bfloat16")
-    ctx, root, _ = _prefix(engine)
+    _, root, _ = _prefix(engine)
     sufs = [[], engine.encode(SUFFIXES[2]), engine.encode(SUFFIXES[0])]
     gens = resume_forks(engine, root, sufs, max_new_tokens=10, sampling=SAMPLED, streams=[4, 5, 6])
     for suf, stream, got in zip(sufs, [4, 5, 6], gens):
@@ -105,7 +105,7 @@ def test_peak_kv_bytes_k16(dtype):
     """k=16 ragged branches over a ~400-token prefix: prefix held once, tails packed."""
     engine = make_engine("tiny-llama", dtype)
     ctx, _, blocks = _prefix(engine, " ".join([CONTEXT] * 6))
-    ctx, blocks = ctx[:400], blocks  # the first 400 tokens; the last block is reused in part
+    ctx = ctx[:400]  # resume after the first 400 tokens: the last block is reused in part
     words = engine.encode(SUFFIXES[3])
     sufs = [words[: 3 + i] for i in range(16)]
     out = resume_batch(engine.runner, blocks, len(ctx), sufs, 8, return_logits=True)
@@ -114,8 +114,10 @@ def test_peak_kv_bytes_k16(dtype):
     tails = [len(s) + 8 - 1 for s in sufs]
     assert st.tail_tokens == tails  # no EOS here: every branch fed its whole reservation
     assert st.ideal_kv_bytes == bpt * (len(ctx) + sum(tails))
-    print(f"\n{dtype}: kv {st.kv_bytes} B = {st.kv_ratio:.3f} x (prefix + sum tails); "
-          f"unshared {st.unshared_kv_bytes} B; scratch {st.scratch_bytes} B")
+    print(
+        f"\n{dtype}: kv {st.kv_bytes} B = {st.kv_ratio:.3f} x (prefix + sum tails); "
+        f"unshared {st.unshared_kv_bytes} B; scratch {st.scratch_bytes} B"
+    )
     assert st.kv_bytes <= 1.1 * st.ideal_kv_bytes
     assert st.kv_bytes < st.unshared_kv_bytes / 8  # vs 16 private prefix copies
     for i, (suf, got) in enumerate(zip(sufs, out)):
@@ -140,7 +142,9 @@ def test_kv_accounting_matches_allocated_storage():
     finally:
         SharedPrefixCache.load_prefix = orig
     cache = seen["cache"]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in cache.prefix + cache.pool for t in p}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in cache.prefix + cache.pool for t in p
+    }
     assert sum(storages.values()) == cache.kv_bytes
     assert len(cache.prefix) == engine.runner.num_layers  # one prefix per layer, not per branch
 
@@ -151,8 +155,7 @@ def test_shared_attention_mode_fp32(arch):
     engine = make_engine(arch, "float32")
     ctx, _, blocks = _prefix(engine)
     sufs = [engine.encode(s) for s in SUFFIXES]
-    out = resume_batch(engine.runner, blocks, len(ctx), sufs, LIMITS, SAMPLED, return_logits=True,
-                       attention="shared")
+    out = resume_batch(engine.runner, blocks, len(ctx), sufs, LIMITS, SAMPLED, return_logits=True, attention="shared")
     for i, (suf, lim, got) in enumerate(zip(sufs, LIMITS, out)):
         _assert_same_run(got, engine.runner.run(blocks, len(ctx), suf, lim, SAMPLED, stream=i, return_logits=True))
 
@@ -167,6 +170,22 @@ def test_zero_tokens_and_single_branch():
     _assert_same_run(out[1], engine.runner.run(blocks, len(ctx), sufs[1], 6, stream=1))
     one = resume_batch(engine.runner, blocks, len(ctx), sufs[1:], 6, streams=[1])
     assert one[0].generated == out[1].generated
+
+
+@pytest.mark.parametrize("attention", ["replay", "shared"])
+def test_empty_prefix_is_text_mode(attention):
+    """prefix_len 0: every branch is a plain text-mode generation of its own prompt."""
+    engine = make_engine("tiny-qwen2", "float32")
+    prompts = [engine.encode(CONTEXT + s) for s in SUFFIXES]
+    out = resume_batch(engine.runner, [], 0, prompts, 8, return_logits=True, attention=attention)
+    for prompt, got in zip(prompts, out):
+        assert_same_generation(engine_generation(engine, got), engine.generate_text(prompt, 8, return_logits=True))
+
+
+def engine_generation(engine, run):
+    from daskflow_kv.engine import Generation
+
+    return Generation(run.generated, engine.decode(run.generated), run.logits, run.metrics)
 
 
 def test_misuse_is_refused_and_model_untouched():
@@ -187,3 +206,22 @@ def test_misuse_is_refused_and_model_untouched():
     assert twin.config._attn_implementation == "daskflow_batched"
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(model.parameters(), twin.parameters()))
     assert batched_twin(model) is twin
+
+
+def test_eager_attention_model():
+    """A model on transformers' eager kernel (looked up from its own module) also batches exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from daskflow_kv.models.loader import load_model
+    from daskflow_kv.models.tiny import build_tiny
+
+    lm = load_model("tiny-qwen2")
+    model = AutoModelForCausalLM.from_pretrained(build_tiny("tiny-qwen2"), attn_implementation="eager").eval()
+    runner = ModelRunner(model, lm.tokenizer, "tiny-qwen2-eager", block_size=16)
+    ctx = lm.tokenizer(CONTEXT, add_special_tokens=False)["input_ids"]
+    pre = runner.run([], 0, ctx, 0)
+    blocks = [b for _, _, b in pre.new_blocks]
+    sufs = [lm.tokenizer(s, add_special_tokens=False)["input_ids"] for s in SUFFIXES]
+    out = resume_batch(runner, blocks, len(ctx), sufs, LIMITS, SAMPLED, return_logits=True)
+    for i, (suf, lim, got) in enumerate(zip(sufs, LIMITS, out)):
+        _assert_same_run(got, runner.run(blocks, len(ctx), suf, lim, SAMPLED, stream=i, return_logits=True))
