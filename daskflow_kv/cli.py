@@ -3,6 +3,9 @@
     daskflow-kv demo                       # the main job: RAG readers on SmolLM2, both modes
     daskflow-kv run debate --mode both --model tiny-llama --agents 3 --json out.json
     daskflow-kv explain tot --agents 3
+    daskflow-kv bench --profile quick          # measured: every system side by side
+    daskflow-kv plan --model llama-3-8b --hardware a100-ib200   # modeled, cluster scale
+    daskflow-kv catalog --scheduler tcp://host:8786 --out kv.parquet
 """
 
 from __future__ import annotations
@@ -160,8 +163,19 @@ def _run_options(p: argparse.ArgumentParser) -> None:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # own argument parsers: hand them the rest untouched
+        from .bench.run import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        from .bench.plan import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="daskflow-kv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", add_help=False, help="benchmark every system and experiment in one run (bench --help)")
+    sub.add_parser("plan", add_help=False, help="MODELED transfer vs recompute per context length (plan --help)")
     demo = sub.add_parser("demo", help="the main job: a RAG workflow on SmolLM2, state vs text mode")
     _common(demo, "smollm2")
     _run_options(demo)

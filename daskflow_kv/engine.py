@@ -183,6 +183,15 @@ class Engine:
             out.generated, self.decode(out.generated), out.logits, out.metrics, new, new.own_blocks(state)
         )
 
+    def resume_forks(self, state: KVState, suffixes, max_new_tokens=32, sampling: SamplingParams = GREEDY, **kw):
+        """Resume k branches of ``state`` as one batch over one copy of its prefix.
+
+        Same tokens as k calls of ``resume`` (stream i for branch i); see ``batched.py``.
+        """
+        from .batched import resume_forks
+
+        return resume_forks(self, state, suffixes, max_new_tokens, sampling, **kw)
+
     def merge(self, a: KVState, b: KVState, how: str = "auto") -> KVState:
         """Combine two states only in ways that stay exact.
 

@@ -1,0 +1,231 @@
+"""Functions that run on Dask workers for the baselines and the memory measurements.
+
+* ``hf_recipe``: the Hugging Face prefix-cache recipe, in one task per worker: prefill the
+  shared prompt once into a ``DynamicCache``, then per branch ``copy.deepcopy`` the cache
+  and ``model.generate`` greedily (what the transformers docs recommend for a shared prompt).
+* ``local_prefix``: a serving engine's local prefix cache: the worker prefills the shared
+  prefix once into blocks and every branch it serves resumes from them. Nothing crosses
+  workers.
+* ``start_sampler`` / ``stop_sampler``: a thread in the worker process that samples its RSS
+  and the bytes of KV keys it holds (blocks, replicas, prefill outputs) every few ms.
+
+Both baselines use the model the worker already loaded for the KV runtime
+(``runtime.tasks.get_runner``), so every system runs the very same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import threading
+import time
+
+import torch
+
+from ..runtime import tasks
+
+KV_KEY_PREFIXES = ("kvblock-", "kvreplica-", "kvprefill-")  # Dask keys that hold KV tensors
+# Published blocks only: a prefill's output shares its tensors with the blocks cut from it,
+# so counting both would count those bytes twice.
+KV_MEMORY_PREFIXES = ("kvblock-", "kvreplica-")
+
+
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return "local"
+
+
+def _cache_nbytes(cache) -> int:
+    n = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                n += t.numel() * t.element_size()
+    return n
+
+
+class _FirstToken:
+    """A generate() streamer that only notes when the first new token came out."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first_at: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_at is None:  # call 1 is the prompt
+            self.first_at = time.time()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_recipe(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int, list[int]]],
+              max_new_tokens: int) -> dict:
+    """Prefill ``prefix`` once, then per (index, suffix): deepcopy the cache and generate."""
+    from transformers import DynamicCache
+
+    runner = tasks.get_runner(spec)
+    model, dev = runner.model, runner.device
+    eos = sorted(runner.eos_ids)
+    start = time.time()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prefix], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
+    prefix_done = time.time()
+    prefix_bytes = _cache_nbytes(cache)
+    out, peak_copy, copy_s = [], 0, 0.0
+    for index, suffix in branches:
+        t0 = time.time()
+        branch_cache = copy.deepcopy(cache)
+        t1 = time.time()
+        ids = torch.tensor([list(prefix) + list(suffix)], device=dev)
+        streamer = _FirstToken()
+        with torch.inference_mode():
+            seq = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), cache=branch_cache,
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None,
+                temperature=None, top_p=None, top_k=None, streamer=streamer,
+            )
+        t2 = time.time()
+        first = streamer.first_at or t2
+        peak_copy = max(peak_copy, _cache_nbytes(branch_cache))
+        copy_s += t1 - t0
+        out.append({
+            "index": index, "tokens": seq[0, ids.shape[1]:].tolist(), "first_token_at": first,
+            "copy_s": t1 - t0, "prefill_s": first - t1, "decode_s": t2 - first, "start": t0, "stop": t2,
+            "copied_bytes": prefix_bytes,
+        })
+        del branch_cache
+    return {
+        "worker": _worker_address(), "start": start, "prefix_prefill_s": prefix_done - start,
+        "prefix_bytes": prefix_bytes, "peak_kv_bytes": prefix_bytes + peak_copy, "copy_s": copy_s,
+        "branches": out, "stop": time.time(),
+    }
+
+
+def local_prefix(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int, list[int]]],
+                 max_new_tokens: int) -> dict:
+    """Prefill ``prefix`` once on this worker into blocks; resume every branch from them."""
+    runner = tasks.get_runner(spec)
+    start = time.time()
+    pre = runner.run([], 0, list(prefix), 0)  # exports the prefix blocks, decodes nothing
+    blocks = [b for _, _, b in pre.new_blocks]
+    prefix_done = time.time()
+    prefix_bytes = sum(b.numel() * b.element_size() for b in blocks)
+    out, peak_work = [], 0
+    for index, suffix in branches:
+        t0 = time.time()
+        r = runner.run(blocks, len(prefix), list(suffix), max_new_tokens, export=False)
+        t1 = time.time()
+        m = r.metrics
+        peak_work = max(peak_work, runner.bytes_per_token * (len(prefix) + len(suffix) + max_new_tokens))
+        out.append({
+            "index": index, "tokens": list(r.generated), "first_token_at": t0 + m.load_s + m.prefill_s,
+            "load_s": m.load_s, "prefill_s": m.prefill_s, "decode_s": m.decode_s, "start": t0, "stop": t1,
+            "copied_bytes": runner.bytes_per_token * len(prefix),  # loaded into the working cache
+        })
+    return {
+        "worker": _worker_address(), "start": start, "prefix_prefill_s": prefix_done - start,
+        "prefix_bytes": prefix_bytes, "peak_kv_bytes": prefix_bytes + peak_work, "branches": out,
+        "stop": time.time(),
+    }
+
+
+# -- memory sampling (client.run targets) ---------------------------------------------------
+_SAMPLER: dict = {}
+
+
+def malloc_trim() -> bool:
+    """Give freed heap back to the OS so RSS starts from what is live (glibc only)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except OSError:
+        return False
+
+
+def _kv_bytes(dask_worker) -> int:
+    for _ in range(5):  # the worker's loop mutates the dict; retry a torn iteration
+        try:
+            return sum(
+                (ts.nbytes or 0)
+                for key, ts in list(dask_worker.state.tasks.items())
+                if ts.state == "memory" and str(key).startswith(KV_MEMORY_PREFIXES)
+            )
+        except RuntimeError:
+            continue
+    return 0
+
+
+def start_sampler(dask_worker=None, interval: float = 0.01) -> int:
+    """Start sampling RSS and held KV bytes; returns the RSS at start (after a malloc_trim)."""
+    import psutil
+
+    stop_sampler()
+    malloc_trim()
+    proc = psutil.Process()
+    state = {"start_rss": proc.memory_info().rss, "peak_rss": 0, "peak_kv": 0, "start_kv": 0, "samples": 0}
+    state["start_kv"] = _kv_bytes(dask_worker) if dask_worker is not None else 0
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            state["peak_rss"] = max(state["peak_rss"], proc.memory_info().rss)
+            if dask_worker is not None:
+                state["peak_kv"] = max(state["peak_kv"], _kv_bytes(dask_worker))
+            state["samples"] += 1
+            stop.wait(interval)
+
+    th = threading.Thread(target=loop, name="daskflow-bench-sampler", daemon=True)
+    _SAMPLER.update(state=state, stop=stop, thread=th)
+    th.start()
+    return state["start_rss"]
+
+
+def stop_sampler(dask_worker=None) -> dict:
+    """Stop the sampler; {start_rss, peak_rss, peak_kv, start_kv, samples} (bytes)."""
+    if not _SAMPLER:
+        return {}
+    _SAMPLER["stop"].set()
+    _SAMPLER["thread"].join(timeout=2)
+    state = dict(_SAMPLER["state"])
+    _SAMPLER.clear()
+    return state
+
+
+def clear_transfer_log(dask_worker) -> None:
+    dask_worker.transfer_incoming_log.clear()
+
+
+def transfer_log(dask_worker) -> list[dict]:
+    """The worker's record of incoming transfers: start, stop, duration, total, keys, who."""
+    return [
+        {"start": e.get("start"), "stop": e.get("stop"), "duration": e.get("duration"), "total": e.get("total"),
+         "who": e.get("who"), "keys": {str(k): v for k, v in (e.get("keys") or {}).items()}}
+        for e in dask_worker.transfer_incoming_log
+    ]
+
+
+def make_tensor(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random fp32 tensor (random so no transport could compress it)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+
+def make_array(shape: tuple[int, ...], seed: int = 0):
+    """Random fp32 NumPy array: the same bytes as ``make_tensor(shape)``."""
+    import numpy as np
+
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def nbytes_of(*objs) -> int:
+    """Depends on its inputs (so Dask moves them here); returns their byte count."""
+    n = 0
+    for o in objs:
+        n += o.numel() * o.element_size() if isinstance(o, torch.Tensor) else getattr(o, "nbytes", 0)
+    return n
