@@ -9,9 +9,11 @@ This plugin adds what Dask does not know about KV cache:
   the same event-loop tick (``client_desires_keys``, as ``Variable.get`` does), so a block
   found in the cache cannot be evicted before the client holds its future, and a released
   block that is needed again is recomputed by Dask from its lineage;
-* locality: a KV-consuming task runs where its blocks live unless the plan says transfer
-  (loose worker restrictions set in ``update_graph``, so a dead worker's tasks still run
-  elsewhere and Dask recomputes the lost blocks from lineage);
+* locality: a KV-consuming task runs where its blocks live unless the plan says transfer.
+  Its worker restriction is strict while that worker lives (a loose one would let work
+  stealing move it and drag the blocks along); when the worker dies, the plugin loosens
+  the restrictions that pointed at it, so the tasks run elsewhere and Dask recomputes the
+  lost blocks from lineage;
 * retention: published blocks are also wanted by a scheduler-side pseudo-client, so a prefix
   outlives the workflow that made it and the next one reuses it;
 * eviction: per-worker KV byte budget, enforced by dropping the least valuable blocks no
@@ -30,6 +32,7 @@ Load it with ``client.register_plugin(KVSchedulerPlugin())`` or
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import defaultdict, deque
@@ -51,6 +54,7 @@ EVENT_TOPIC = "daskflow-kv"  # lifecycle events, visible through client.get_even
 PREFILL_TOPIC = "daskflow-kv-prefill"  # timings reported by workers (see runtime.tasks)
 PLUGIN_NAME = "daskflow-kv"
 BLOCK_PREFIX = "kvblock-"  # every content-addressed block key starts with it
+KV_TASK_PREFIXES = ("kvprefill-", BLOCK_PREFIX, "kvresult-", "kvreplica-")  # tasks placed by the plan
 _MAX_SAMPLES = 64  # prefill samples kept per worker for the profile fit
 _NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
 
@@ -80,7 +84,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         kv_budget_bytes: int | None = None,
         memory_weight: float = 0.0,
         evict_interval: float = 0.2,
-        lease_seconds: float = 30.0,
+        lease_seconds: float = 2.0,
     ):
         self.kv_budget_bytes = kv_budget_bytes  # per worker; None = unbounded
         self.memory_weight = memory_weight  # lambda: seconds charged per byte placed on a worker
@@ -97,6 +101,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self._evicting: set[str] = set()  # keys released by the budget, until Dask confirms
         self._lost_cache_only: set[str] = set()  # lost with a dead worker, wanted only by the cache
         self._over_budget: set[str] = set()  # workers over budget with only pinned blocks left
+        self._pruned = 0.0  # last time released states were pruned from the catalog
         self._pc: PeriodicCallback | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -149,6 +154,20 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 self._place(ts, note)
         if published:
             scheduler.client_desires_keys(published, CACHE_CLIENT)
+        # Planned for a worker that died since the client looked: let Dask place them.
+        self._loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if str(k).startswith(KV_TASK_PREFIXES))
+
+    def _loosen_dead_restrictions(self, task_states) -> list:
+        """Loosen strict restrictions naming only workers that are gone; -> keys stuck in no-worker."""
+        alive = self.scheduler.workers
+        stuck = []
+        for ts in task_states:
+            r = ts.worker_restrictions
+            if r and not ts.loose_restrictions and not any(w in alive for w in r):
+                ts.loose_restrictions = True
+                if ts.state == "no-worker":
+                    stuck.append(ts.key)
+        return stuck
 
     def _place(self, ts, note: dict) -> None:
         """Restrict a KV-consuming task to the plan's worker, or to where its blocks live."""
@@ -162,19 +181,17 @@ class KVSchedulerPlugin(SchedulerPlugin):
                     held[ws.address] += dts.get_nbytes()
             target = max(sorted(held), key=held.get) if held else None
         if target is not None and target in self.scheduler.workers:
-            # Loose: if that worker dies, the task may run elsewhere (recompute from lineage).
+            # Strict while the worker lives (no work stealing); loosened if it dies.
             ts.worker_restrictions = {target}
-            ts.loose_restrictions = True
+            ts.loose_restrictions = False
         for k in reads:
             self.catalog.touch(k)
         op = note.get("op", "compute")
         self._event(op + "-task", key=str(ts.key), worker=target, state_id=note.get("state_id"), reads=len(reads))
         decision = note.get("decision")
-        if not decision:
+        if not decision or not note.get("first"):  # a destination pays once, whatever its branch count
             return
         self.decisions.append(decision)
-        if not note.get("first"):  # one destination pays once, whatever its branch count
-            return
         if decision.get("action") == "transfer":
             self.catalog.count("transfers")
             self.catalog.count("bytes_transferred", decision.get("nbytes", 0))
@@ -227,17 +244,24 @@ class KVSchedulerPlugin(SchedulerPlugin):
             self.catalog.count("tokens_reused", msg.get("prefix_tokens", 0))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
-        # Runs after Dask's own transitions: blocks only the cache wanted are not worth
-        # recomputing now; they stay in lineage and come back if a lookup asks for them.
+        # Runs after Dask's own transitions for the loss. Tasks planned on the dead worker
+        # may now run anywhere; those already stuck in no-worker are scheduled again.
         self.samples.pop(worker, None)
         self._over_budget.discard(worker)
+        stimulus = f"kv-worker-lost-{time.time()}"
+        stuck = self._loosen_dead_restrictions(ts for k, ts in list(scheduler.tasks.items())
+                                               if str(k).startswith(KV_TASK_PREFIXES))
+        if stuck:
+            scheduler.transitions({k: "processing" for k in stuck}, stimulus_id=stimulus)
+        # Blocks only the cache wanted are not worth recomputing now; they stay in lineage
+        # and come back if a lookup asks for them.
         drop = [k for k in self._lost_cache_only if self._cache_only(k) and scheduler.tasks[k].state != "memory"]
         self._lost_cache_only.clear()
         for k in drop:
             self.catalog.set_status(k, "released")
         if drop:
-            scheduler.client_releases_keys(drop, CACHE_CLIENT, stimulus_id=f"kv-drop-lost-{time.time()}")
-        self._event("worker-lost", worker=worker, dropped=len(drop))
+            scheduler.client_releases_keys(drop, CACHE_CLIENT, stimulus_id=stimulus)
+        self._event("worker-lost", worker=worker, rescheduled=len(stuck), dropped=len(drop))
 
     def _cache_only(self, key) -> bool:
         ts = self.scheduler.tasks.get(key)
@@ -256,7 +280,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         now = time.time()
         for k in known:
             self._leases[k] = now + self.lease_seconds
-        if client is not None:
+        if client in self.scheduler.clients:  # not a client that has gone meanwhile
             self.scheduler.client_desires_keys(known, client)
         self.scheduler.client_desires_keys([k for k in known if k in self.catalog.blocks], CACHE_CLIENT)
         recompute = {k: "waiting" for k in known if tasks[k].state == "released"}
@@ -296,6 +320,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
     def _tick(self) -> None:
         now = time.time()
         self._leases = {k: t for k, t in self._leases.items() if t > now}
+        if now - self._pruned > 5.0:
+            self._pruned = now
+            self.catalog.prune()
         try:
             self._enforce_budgets()
         except Exception:  # never let a bug here take the scheduler's loop down
@@ -340,7 +367,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
                     self._event("over-budget", worker=addr, nbytes=plan.remaining_bytes)
             else:
                 self._over_budget.discard(addr)
-        self._evicting &= set(self.scheduler.tasks)  # keys Dask dropped some other way
+        self._evicting = {k for k in self._evicting if k in self.scheduler.tasks}  # dropped some other way
         return evicted
 
     # -- profiles -------------------------------------------------------------------------
@@ -406,7 +433,17 @@ class KVSchedulerPlugin(SchedulerPlugin):
             "memory_weight": self.memory_weight,
         }
 
-    def handle_register_states(self, metas: list[dict]) -> None:
+    async def handle_register_states(self, metas: list[dict], timeout: float = 10.0) -> None:
+        """Record states, once the scheduler knows all their blocks.
+
+        The client submits block tasks over its batched stream and calls this over RPC,
+        which can overtake them; waiting here means that once an operation returns, every
+        later lookup (from any client) sees its blocks.
+        """
+        keys = {k for m in metas for k in m["block_keys"]}
+        deadline = time.time() + timeout
+        while not keys <= self.scheduler.tasks.keys() and time.time() < deadline:
+            await asyncio.sleep(0.002)
         for meta in metas:
             self.catalog.add_state(meta)
             self._event(meta.get("op", "state"), state_id=meta["state_id"], parents=list(meta.get("parents", ())),
@@ -419,6 +456,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self._event("release", state_id=state_id)
 
     def handle_catalog(self) -> list[dict]:
+        self.catalog.prune()
         tasks = self.scheduler.tasks
         who_has, refcount, cached = {}, {}, set()
         for k in self.catalog.blocks:

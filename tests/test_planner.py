@@ -4,8 +4,18 @@ import math
 
 import pytest
 
-from daskflow_kv.cost_model import DEFAULT_LATENCY, NeedsCalibration, PrefillProfile, crossover_bandwidth
-from daskflow_kv.runtime.planner import ClusterView, holder_of, plan_placements, read_blocks
+from daskflow_kv.cost_model import (
+    DEFAULT_LATENCY,
+    NeedsCalibration,
+    PrefillProfile,
+    crossover_bandwidth,
+)
+from daskflow_kv.runtime.planner import (
+    ClusterView,
+    holder_of,
+    plan_placements,
+    read_blocks,
+)
 
 A, B, C = "tcp://a:1", "tcp://b:1", "tcp://c:1"
 BLOCK = 16 * 46_080  # bytes of one 16-token block of a SmolLM2-sized model

@@ -4,9 +4,11 @@ Every test uses its own context (a distinct first block), so content-addressed b
 one test never serve another; the cluster and the runtime are shared by the module.
 """
 
+import logging
 import time
 
 import pytest
+from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
 from distributed import Client
 
 from daskflow_kv.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, decide
@@ -16,8 +18,6 @@ from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
 from daskflow_kv.runtime.tasks import PREFILL_TOPIC
-
-from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
 
 EVENTS = "daskflow-kv"
 NEW = 6  # tokens generated per branch
@@ -119,11 +119,23 @@ def test_materialize_on_a_resume_on_b_matches_text_mode(rt, engine, workers, pol
         assert g.worker == b and g.placement.action == policy
         assert_same_generation(g, _text(engine, ctx + s))
         assert g.metrics["tokens_reused"] == len(ctx) and g.metrics["tokens_computed"] == len(s)
-    # The continuation (new blocks on b, prefix blocks shared) resumes exactly too.
-    more = rt.encode(" And then?")
-    g2 = rt.resume(gens[0].state, more, max_new_tokens=NEW)
-    want = engine.generate_text(ctx + sufs[0] + gens[0].tokens + more, NEW)
-    assert g2.tokens == want.tokens
+    # The continuation (prefix blocks shared, new blocks on b) holds everything fed so far,
+    # i.e. all but the last sampled token: resuming it with that token continues exactly.
+    cont = gens[0].state
+    assert list(cont.tokens) == ctx + sufs[0] + gens[0].tokens[:-1]
+    assert cont.state.block_keys[: len(ctx) // 16] == root.state.block_keys[: len(ctx) // 16]
+    more = [gens[0].tokens[-1]] + rt.encode(" And then?")
+    g2 = rt.resume(cont, more, max_new_tokens=NEW)
+    assert g2.tokens == engine.generate_text(list(cont.tokens) + more, NEW).tokens
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def test_extend_and_merge_match_text_mode(rt, engine):
@@ -136,6 +148,8 @@ def test_extend_and_merge_match_text_mode(rt, engine):
     assert merged.state.block_keys == ext.state.block_keys
     g = rt.resume(merged, rt.encode(" Sum up."), max_new_tokens=NEW)
     assert g.tokens == engine.generate_text(list(ext.tokens) + rt.encode(" Sum up."), NEW).tokens
+    g0 = rt.resume(root, [], max_new_tokens=NEW)  # an empty suffix re-feeds the last cached token
+    assert g0.tokens == engine.generate_text(ctx, NEW).tokens
 
 
 # -- bytes moved, from Dask's own transfer records -------------------------------------------
@@ -202,9 +216,13 @@ def test_forced_bandwidth_flips_the_plan_and_outputs_stay_identical(client, rt, 
 
 # -- cross-workflow prefix sharing -------------------------------------------------------------
 def test_second_workflow_shares_block_keys_and_prefills_nothing(cluster, client, rt, engine):
+    sched_log = logging.getLogger("distributed.scheduler")  # "distributed" does not propagate
+    collect = _Collect()
+    sched_log.addHandler(collect)
     ctx = _ctx(rt, "shared")
     first = rt.materialize(ctx)
     rt.wait([first])
+    g1 = rt.resume(first, [], max_new_tokens=NEW)
     assert _wait_for(lambda: any(m.get("state_id") == first.state_id for m in _events(client, PREFILL_TOPIC)))
     with Client(cluster, set_as_default=False) as c2:
         rt2 = KVRuntime(c2, "tiny-llama", block_size=16)
@@ -217,6 +235,13 @@ def test_second_workflow_shares_block_keys_and_prefills_nothing(cluster, client,
             lambda dask_scheduler, keys: [sorted(c.client_key for c in dask_scheduler.tasks[k].who_wants)
                                           for k in keys], keys=list(second.state.block_keys))
         assert all(c2.id in w and client.id in w for w in wanted)  # both workflows hold the blocks
+        # Same continuation, other client: its blocks' content addresses are already known to
+        # the scheduler, so they are acquired, never submitted a second time under another spec.
+        g2 = rt2.resume(second, [], max_new_tokens=NEW)
+        assert g2.tokens == g1.tokens and g2.state.state.block_keys == g1.state.state.block_keys
+        rt2.wait([g2.state], timeout=10)
+        sched_log.removeHandler(collect)
+        assert not [m for m in collect.messages if "Detected different `run_spec`" in m]
         rt.release(first)  # the first workflow lets go; the second still holds every block
         more = rt2.encode(" A follow-up question for the shared context.")
         longer = rt2.materialize(ctx + more)
@@ -261,8 +286,8 @@ def test_lifecycle_events_through_dask(client, rt, workers):
     root = rt.materialize(_ctx(rt, "events"), worker=a)
     rt.wait([root])
     kids = rt.fork(root, 2)
+    rt.resume(root, rt.encode(" First."), max_new_tokens=2, policy="recompute", workers=[b])  # no copy on b
     rt.resume_many([(k, rt.encode(" Go.")) for k in kids], max_new_tokens=2, policy="transfer", workers=[b])
-    rt.resume(root, rt.encode(" Again."), max_new_tokens=2, policy="recompute", workers=[b])
     events = _events(client, since=t0)
     by_op = {}
     for m in events:
@@ -332,3 +357,48 @@ def test_bad_arguments_raise(rt):
         rt.materialize([])
     with pytest.raises(ValueError):
         rt.fork(s, 0)
+
+
+# -- calibration, and what is left behind ----------------------------------------------------
+def test_calibration_feeds_the_auto_plan(client, rt, workers):
+    a, b = workers
+    cal = rt.calibrate(probe_bytes=4 << 20, probe_tokens=64)
+    assert set(cal["bandwidth"]) == {f"{a}->{b}", f"{b}->{a}"} and all(v > 0 for v in cal["bandwidth"].values())
+    assert set(cal["prefill_profiles"]) == {a, b}
+    root = rt.materialize(_ctx(rt, "calibrated"), worker=a)
+    rt.wait([root])
+    g = rt.resume(root, rt.encode(" Go."), max_new_tokens=2, workers=[b])  # auto: measured numbers decide
+    d = g.placement.decision
+    assert g.worker == b and d.src == a and d.dst == b and d.nbytes == root.nbytes
+    assert d.bandwidth > 0 and d.t_recompute > 0  # both sides measured, none assumed
+    assert d.t_transfer == pytest.approx(DEFAULT_LATENCY + root.nbytes / d.bandwidth)
+    assert d.action == ("transfer" if d.t_transfer < d.t_recompute else "recompute")
+
+
+def test_prefill_outputs_and_replicas_are_released(client, rt, workers):
+    a, b = workers
+    root = rt.materialize(_ctx(rt, "leaks"), worker=a)
+    kids = rt.fork(root, 4)
+    gens = rt.resume_many([(k, rt.encode(" Go.")) for k in kids[:2]], max_new_tokens=2, policy="recompute")
+    gens += rt.resume_many([(k, rt.encode(" Go.")) for k in kids[2:]], max_new_tokens=2, policy="transfer")
+    assert {g.worker for g in gens} == {a, b} and "recompute" in {g.placement.action for g in gens}
+    rt.wait([g.state for g in gens])
+
+    def intermediates(dask_scheduler):
+        return sorted(k for k, ts in dask_scheduler.tasks.items()
+                      if str(k).startswith(("kvprefill-", "kvresult-", "kvreplica-")) and ts.state == "memory")
+
+    assert _wait_for(lambda: not client.run_on_scheduler(intermediates)), client.run_on_scheduler(intermediates)
+
+
+def test_sizeof_reports_tensor_bytes():
+    from dask.sizeof import sizeof
+
+    from daskflow_kv.runtime import tasks
+
+    spec = tasks.ModelSpec("tiny-llama", block_size=16)
+    out = tasks.prefill(spec, tasks.PrefillRequest(tuple(range(3, 40)), 0, 2, return_logits=True))
+    tensor_bytes = sum(b.numel() * b.element_size() for b in out.blocks)
+    assert tensor_bytes > 0 and sizeof(out) >= tensor_bytes + out.logits.numel() * 4
+    res = tasks.take_result(out)
+    assert sizeof(res) >= out.logits.numel() * 4 and sizeof(res) < tensor_bytes

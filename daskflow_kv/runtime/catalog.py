@@ -69,7 +69,8 @@ class KVCatalog:
             "tokens_computed": 0,
             "bytes_transferred": 0,
             "transfers": 0,
-            "recomputes": 0,
+            "recomputes": 0,  # prefixes the cost model chose to rebuild on a destination
+            "lineage_recomputes": 0,  # blocks Dask computed again after they left memory
             "evictions": 0,
             "bytes_evicted": 0,
         }
@@ -109,7 +110,7 @@ class KVCatalog:
         again = entry.computed
         if again:
             entry.recomputes += 1
-            self.count("recomputes")
+            self.count("lineage_recomputes")
         entry.computed = True
         entry.status = "memory"
         return again
@@ -124,7 +125,6 @@ class KVCatalog:
             entry.status = "forgotten"
         if not self.live_holders.get(key):
             del self.blocks[key]
-            self._prune_states()
 
     def touch(self, key: str, now: float | None = None) -> None:
         entry = self.blocks.get(key)
@@ -163,14 +163,14 @@ class KVCatalog:
                     entry = self.blocks.get(key)
                     if entry is not None and entry.status in ("forgotten", "evicted") and key not in self.index:
                         del self.blocks[key]
-        self._prune_states()
 
-    def _prune_states(self) -> None:
-        """Released states whose blocks are all gone are history nobody can query: drop them."""
+    def prune(self) -> int:
+        """Drop released states whose blocks are all gone (history nobody can query). -> count."""
         gone = [sid for sid, st in self.states.items()
                 if st.status == "released" and not any(k in self.blocks for k in st.block_keys)]
         for sid in gone:
             del self.states[sid]
+        return len(gone)
 
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value

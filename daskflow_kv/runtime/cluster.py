@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import dask
 
@@ -76,7 +76,7 @@ def gpu_count() -> int:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA install counts as none
+    except Exception:  # noqa: BLE001 -- a broken CUDA install counts as none
         return 0
 
 
@@ -197,7 +197,7 @@ def kv_runtime(target=None, **runtime_kwargs):
     else:
         cluster = local_cluster()
         client = Client(cluster)
-        client._daskflow_owned_cluster = cluster  # noqa: SLF001 -- closed by close_runtime
+        client._daskflow_owned_cluster = cluster
     return KVRuntime(client, **runtime_kwargs)
 
 
@@ -223,6 +223,8 @@ def embedded_runtime(
 
     from .kv_runtime import KVRuntime
 
-    with local_cluster(n_workers, threads_per_worker, memory_limit, dashboard_address, kv_budget) as cluster:
-        with Client(cluster) as client:
-            yield KVRuntime(client, **runtime_kwargs)
+    with (
+        local_cluster(n_workers, threads_per_worker, memory_limit, dashboard_address, kv_budget) as cluster,
+        Client(cluster) as client,
+    ):
+        yield KVRuntime(client, **runtime_kwargs)

@@ -17,14 +17,21 @@ computed, or released but still in lineage) is acquired, not resubmitted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import dask
 from distributed import Client, Future, wait
 
 from .. import compat
-from ..blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len, split_spans
+from ..blocks import (
+    DEFAULT_BLOCK_SIZE,
+    BlockRef,
+    aligned_floor,
+    block_key,
+    common_prefix_len,
+    split_spans,
+)
 from ..cost_model import Decision, NeedsCalibration, explain
 from ..errors import MergeError, StateReleasedError
 from ..kv_state import KVState, LineageEvent, new_state_id
@@ -40,7 +47,7 @@ class DistKVState:
 
     state: KVState  # the descriptor (fingerprint, blocks, lineage)
     futures: tuple[Future, ...]  # one per block; holding them keeps the blocks alive
-    runtime: "KVRuntime" = field(repr=False)
+    runtime: KVRuntime = field(repr=False)
     released: bool = False
 
     @property
@@ -203,12 +210,12 @@ class KVRuntime:
     def _submit_near(self, worker: str | None, fn, *args, key: str) -> Future:
         """Submit a task that reads a prefill's output where that output is.
 
-        The (loose) restriction keeps Dask from treating these many small, few-input tasks as
-        root-ish and queueing them on whichever worker is free, which would move the output
-        instead; if the worker dies they still run elsewhere.
+        The restriction keeps Dask from treating these many small, few-input tasks as
+        root-ish (queued on whichever worker is free) and work stealing from moving them,
+        either of which would move the output instead. If the worker dies the plugin
+        loosens it and they run wherever Dask recomputes their input.
         """
-        return self.client.submit(fn, *args, key=key, workers=[worker] if worker else None,
-                                  allow_other_workers=bool(worker), pure=False)
+        return self.client.submit(fn, *args, key=key, workers=[worker] if worker else None, pure=False)
 
     def _block_meta(self, ref: BlockRef, parent: str | None, state_id: str) -> dict:
         return {
@@ -255,6 +262,10 @@ class KVRuntime:
             view = self.view()
             return plan_placements(view, match.plan_input(), reused, n, policy, worker, workers), view
 
+    def _record(self, p: Placement) -> None:
+        if p.first and p.decision is not None:  # one decision per destination, not per branch
+            self.decisions.append(p.decision)
+
     def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
         note = {
             "role": "compute",
@@ -272,8 +283,7 @@ class KVRuntime:
                 req,
                 *inputs,
                 key=f"kvprefill-{req.op}-{req.state_id}",
-                workers=[worker] if worker else None,
-                allow_other_workers=bool(worker),  # loose: a lost worker's consumers run elsewhere
+                workers=[worker] if worker else None,  # strict; the plugin loosens it if worker dies
                 pure=False,
             )
 
@@ -311,8 +321,7 @@ class KVRuntime:
         target = None  # where the new blocks are made
         if reused < len(tokens):
             [p], _ = self._plan(self.view(), match, [reused], 1, "pin", worker)
-            if p.decision is not None:
-                self.decisions.append(p.decision)
+            self._record(p)
             inputs, reads = self._inputs(match, p, tokens, {})
             req = tasks.PrefillRequest(tuple(tokens), reused, op=op, state_id=sid)
             source = self._prefill_task(req, inputs, p.worker, reads, p)
@@ -387,8 +396,7 @@ class KVRuntime:
         replicas: dict = {}
         outputs, sids = [], []
         for i, (match, p) in enumerate(plans):
-            if p.decision is not None:
-                self.decisions.append(p.decision)
+            self._record(p)
             sid = new_state_id("resume")
             inputs, reads = self._inputs(match, p, prompts[i], replicas)
             req = tasks.PrefillRequest(tuple(prompts[i]), p.reused, max_new_tokens, sampling, i, return_logits,
@@ -407,9 +415,11 @@ class KVRuntime:
             floor = aligned_floor(p.reused, self.block_size)
             refs, futures = self._publish(lambda j, out=out: (tasks.take_block, out, j), fed, match.kept(floor),
                                           split_spans(floor, len(fed), self.block_size), sid, res.worker)
-            cont = self._state(sid, refs, futures, "resume", (state,), res.worker,
+            cont = self._state(sid, refs, futures, "resume", (state,), res.worker, placement=p.action,
                                tokens_reused=p.reused, tokens_computed=len(prompt) - p.reused)
-            gens.append(DistGeneration(res.generated, self.decode(res.generated), res.metrics, res.worker, p, cont,
+            # The prefix rebuilt on a "recompute" destination is charged to its first branch.
+            metrics = {**res.metrics, "tokens_recomputed": p.recompute_tokens}
+            gens.append(DistGeneration(res.generated, self.decode(res.generated), metrics, res.worker, p, cont,
                                        res.logits))
         return gens
 

@@ -31,7 +31,7 @@ class ClusterView:
     prefill_override: PrefillProfile | None = None  # what-if: every worker with this profile
 
     @classmethod
-    def from_snapshot(cls, snap: dict, bandwidth_override=None, prefill_override=None) -> "ClusterView":
+    def from_snapshot(cls, snap: dict, bandwidth_override=None, prefill_override=None) -> ClusterView:
         bw = {}
         for pair, value in snap["bandwidth"].items():
             src, dst = pair.split("->")
@@ -156,4 +156,4 @@ def _spread(pool: list[str], holder: str | None, n: int) -> list[str | None]:
     return [order[i % len(order)] for i in range(n)]
 
 
-__all__ = ["ClusterView", "Placement", "NeedsCalibration", "plan_placements", "holder_of", "read_blocks", "POLICIES"]
+__all__ = ["POLICIES", "ClusterView", "NeedsCalibration", "Placement", "holder_of", "plan_placements", "read_blocks"]

@@ -1,0 +1,89 @@
+"""Per-worker KV byte budget on a real 2-process LocalCluster: eviction and recompute."""
+
+import time
+
+import pytest
+from conftest import CONTEXT, SUFFIXES, make_engine
+from distributed import Client
+
+from daskflow_kv.runtime.cluster import local_cluster
+from daskflow_kv.runtime.kv_runtime import KVRuntime
+from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
+
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def client():
+    with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as c:
+        yield c
+
+
+def _worker_kv_bytes(client) -> dict[str, int]:
+    """KV block bytes each worker holds, from the workers' own task states (not our counters)."""
+
+    def held(dask_worker):
+        return sum(ts.nbytes for key, ts in dask_worker.state.tasks.items()
+                   if str(key).startswith("kvblock-") and ts.state == "memory")
+
+    return client.run(held)
+
+
+def _in_memory(client, keys) -> dict[str, bool]:
+    return client.run_on_scheduler(
+        lambda dask_scheduler, keys: {k: (k in dask_scheduler.tasks and dask_scheduler.tasks[k].state == "memory")
+                                      for k in keys}, keys=list(keys))
+
+
+def test_budget_evicts_released_states_keeps_live_ones_and_recomputes_identically(client):
+    rt = KVRuntime(client, "tiny-llama", block_size=16)
+    engine = make_engine("tiny-llama", block_size=16)
+    a, b = sorted(client.scheduler_info()["workers"])
+    block = 16 * rt.facts.bytes_per_token + _SIZEOF_OVERHEAD
+    budget = 6 * block
+    rt.configure(kv_budget_bytes=budget)
+
+    live = rt.materialize(rt.encode("Live state: keep me."), worker=a)  # referenced all along
+    rt.wait([live])
+    contexts = [rt.encode(f"Context number {i}. " + CONTEXT) for i in range(6)]  # ~6 blocks each
+    outputs = {}
+    for i, ctx in enumerate(contexts):
+        s = rt.materialize(ctx, worker=(a, b)[i % 2])
+        g = rt.resume(s, rt.encode(SUFFIXES[i % 4]), max_new_tokens=NEW, policy="pin")
+        outputs[i] = g.tokens
+        if i == 0:
+            first_keys = s.state.block_keys
+        rt.release(s)
+        rt.release(g.state)
+    total = sum(len(c) for c in contexts) * rt.facts.bytes_per_token
+    assert total > 2 * budget  # the cached states really exceed the budget
+
+    deadline = time.time() + 15
+    while time.time() < deadline and max(_worker_kv_bytes(client).values()) > budget + block:
+        time.sleep(0.1)
+    held = _worker_kv_bytes(client)
+    assert all(v <= budget + block for v in held.values()), (held, budget, block)
+    # A live state is never evicted (its lookup lease expired long ago; its futures pin it).
+    assert all(_in_memory(client, live.state.block_keys).values())
+    counters = rt.counters()["counters"]
+    assert counters["evictions"] > 0 and counters["bytes_evicted"] > 0
+    evicts = [m for _, m in client.get_events("daskflow-kv") if isinstance(m, dict) and m.get("op") == "evict"]
+    assert evicts and not set(live.state.block_keys) & {m["key"] for m in evicts}
+
+    # An evicted prefix needed again is recomputed, and the output does not change.
+    gone = [k for k, there in _in_memory(client, first_keys).items() if not there]
+    assert gone, "the oldest context should have lost blocks to eviction"
+    again = rt.materialize(contexts[0])
+    ev = again.state.lineage[-1].as_dict()
+    assert ev["tokens_computed"] > 0
+    assert again.state.block_keys == first_keys  # same content addresses as before
+    g = rt.resume(again, rt.encode(SUFFIXES[0]), max_new_tokens=NEW)
+    assert g.tokens == outputs[0] == engine.generate_text(contexts[0] + rt.encode(SUFFIXES[0]), NEW).tokens
+    rt.release(again)
+    rt.release(g.state)
+
+    deadline = time.time() + 15
+    while time.time() < deadline and max(_worker_kv_bytes(client).values()) > budget + block:
+        time.sleep(0.1)
+    assert all(v <= budget + block for v in _worker_kv_bytes(client).values())
+    rt.configure(unset_budget=True)

@@ -1,0 +1,52 @@
+"""The scheduler plugin's catalog as plain data: lifecycle, prefix index, pruning, Arrow export."""
+
+from daskflow_kv.blocks import chain_keys
+from daskflow_kv.runtime.catalog import ARROW_COLUMNS, KVCatalog, rows_to_arrow
+
+FP = "fp0"
+
+
+def _publish(cat: KVCatalog, tokens, state_id="s1", block_size=4):
+    keys = []
+    parent = None
+    for key, s, e in chain_keys(FP, tokens, block_size):
+        cat.add_block({"key": key, "start": s, "end": e, "nbytes": 10 * (e - s), "tokens": tokens[s:e],
+                       "parent": parent, "fingerprint": FP, "state_id": state_id})
+        keys.append(key)
+        parent = key
+    cat.add_state({"state_id": state_id, "block_keys": keys, "op": "materialize", "parents": [], "tokens": len(tokens)})
+    return keys
+
+
+def test_lifecycle_counts_lineage_recomputes_and_keeps_history_while_listed():
+    cat = KVCatalog()
+    tokens = list(range(10))
+    keys = _publish(cat, tokens)
+    assert cat.lookup(FP, tokens + [99], 4).tokens == 10  # pending blocks are found too
+    for k in keys:
+        assert cat.entered_memory(k) is False
+    cat.set_status(keys[-1], "lost")
+    assert cat.entered_memory(keys[-1]) is True  # second time in memory: a recompute
+    assert cat.blocks[keys[-1]].recomputes == 1 and cat.counters["lineage_recomputes"] == 1
+    cat.forget(keys[-1])  # a live state lists it: the entry stays, the index forgets it
+    assert keys[-1] in cat.blocks and cat.blocks[keys[-1]].status == "forgotten"
+    assert cat.lookup(FP, tokens, 4).tokens == 8
+    cat.release_state("s1")
+    assert keys[-1] not in cat.blocks  # nobody lists it any more: gone
+    for k in keys[:-1]:
+        cat.forget(k)
+    assert not cat.blocks and cat.prune() == 1 and not cat.states
+
+
+def test_rows_and_arrow_table():
+    cat = KVCatalog()
+    keys = _publish(cat, list(range(6)))
+    cat.add_state({"state_id": "f1", "block_keys": keys, "op": "fork", "parents": ["s1"], "tokens": 6})
+    cat.touch(keys[0])
+    rows = cat.rows({keys[0]: ["tcp://a"]}, {keys[0]: 2}, {keys[0]})
+    assert len(rows) == 4  # (s1, f1) x 2 blocks
+    tbl = rows_to_arrow(rows)
+    assert tbl.column_names == [c for c, _ in ARROW_COLUMNS] and tbl.num_rows == 4
+    first = [r for r in tbl.to_pylist() if r["state_id"] == "f1"][0]
+    assert (first["state_op"], first["state_parents"], first["workers"], first["refcount"]) == ("fork", "s1", "tcp://a", 2)
+    assert first["cached"] and first["reuse_count"] == 1 and (first["token_start"], first["token_end"]) == (0, 4)
