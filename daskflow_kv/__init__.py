@@ -1,32 +1,32 @@
-"""daskflow-kv: the transformer KV cache as a first-class distributed object on Dask."""
+"""daskflow-kv: the transformer KV cache as a first-class distributed object on Dask.
 
-from .engine import Engine, Generation
-from .errors import (
-    ContextTooLongError,
-    DaskflowKVError,
-    IncompatibleStateError,
-    MergeError,
-    StateReleasedError,
-    WorkflowError,
-)
-from .kv_state import KVState
-from .sampling import GREEDY, SamplingParams
-from .workflow import Agent, Context, Workflow
+Exports are lazy: ``import daskflow_kv.cost_model`` (the scheduler plugin does) must not pull
+in torch and transformers.
+"""
 
-__all__ = [
-    "Engine",
-    "Generation",
-    "KVState",
-    "Workflow",
-    "Agent",
-    "Context",
-    "SamplingParams",
-    "GREEDY",
-    "DaskflowKVError",
-    "IncompatibleStateError",
-    "MergeError",
-    "StateReleasedError",
-    "ContextTooLongError",
-    "WorkflowError",
-]
+import importlib
+
+_EXPORTS = {
+    "Engine": "engine",
+    "Generation": "engine",
+    "KVState": "kv_state",
+    "Workflow": "workflow",
+    "Agent": "workflow",
+    "Context": "workflow",
+    "SamplingParams": "sampling",
+    "GREEDY": "sampling",
+    "DaskflowKVError": "errors",
+    "IncompatibleStateError": "errors",
+    "MergeError": "errors",
+    "StateReleasedError": "errors",
+    "ContextTooLongError": "errors",
+    "WorkflowError": "errors",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'daskflow_kv' has no attribute {name!r}")

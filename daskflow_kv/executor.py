@@ -35,6 +35,7 @@ class AgentResult:
     decode_s: float
     tokens_reused: int  # prompt tokens taken from KV blocks
     tokens_computed: int  # prompt tokens prefilled for this agent (its share of a group prefix excluded)
+    tokens_recomputed: int = 0  # prefix tokens rebuilt on this agent's worker (recompute plan, first branch)
     bytes_transferred: int = 0  # KV bytes the plan moved to this agent's worker for it
     decision: str = ""  # reuse | transfer | recompute | text
 
@@ -108,8 +109,10 @@ def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
             res = fut.result()
             m = _metrics(res)
             outputs[n] = rt.decode(res.generated)
-            results[n] = AgentResult(n, lvl, outputs[n], list(res.generated), len(prompts[n]), res.worker,
-                                     m["ttft_s"], m["prefill_s"], m["decode_s"], 0, len(prompts[n]), 0, "text")
+            results[n] = AgentResult(
+                n, lvl, outputs[n], list(res.generated), len(prompts[n]), res.worker, m["ttft_s"], m["prefill_s"],
+                m["decode_s"], tokens_reused=0, tokens_computed=len(prompts[n]), decision="text",
+            )
     return WorkflowResult(wf.name, "text", results, time.perf_counter() - t0, level_tokens, cw)
 
 
@@ -147,14 +150,19 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
             for (name, branch, suffix), gen in zip(reqs, gens):
                 m = _metrics(gen)
                 d = gen.placement.decision
-                moved = d.nbytes if (d is not None and d.action == "transfer" and gen.placement.recompute_tokens == 0
-                                     and _first_on_worker(gen, gens)) else 0
+                # A destination pays its transfer or rebuild once, charged to its first branch.
+                moved = d.nbytes if (d is not None and d.action == "transfer" and gen.placement.first) else 0
+                computed += m.get("tokens_recomputed", 0)
                 computed += m["tokens_computed"]
                 outputs[name] = gen.text
                 results[name] = AgentResult(
                     name, lvl, gen.text, list(gen.tokens), len(prompts[name]), gen.worker,
-                    shared_s[name] + m["ttft_s"], m["prefill_s"], m["decode_s"], m["tokens_reused"],
-                    m["tokens_computed"], moved, d.action if d is not None else "reuse",
+                    shared_s[name] + m["ttft_s"], m["prefill_s"], m["decode_s"],
+                    tokens_reused=m["tokens_reused"],
+                    tokens_computed=m["tokens_computed"],
+                    tokens_recomputed=m.get("tokens_recomputed", 0),
+                    bytes_transferred=moved,
+                    decision=d.action if d is not None else "reuse",
                 )
                 lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
                 states[name] = gen.state
@@ -167,12 +175,6 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     for st in states.values():
         rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
     return result
-
-
-def _first_on_worker(gen, gens) -> bool:
-    """Bytes move once per destination: charge them to the first branch placed there."""
-    same = [g for g in gens if g.worker == gen.worker and g.placement.decision is gen.placement.decision]
-    return same[0] is gen if same else False
 
 
 def run_workflow(wf: Workflow, mode: str = "state", runtime=None, **runtime_kwargs):

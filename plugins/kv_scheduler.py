@@ -380,10 +380,14 @@ class KVSchedulerPlugin(SchedulerPlugin):
         return out
 
     def bandwidth(self) -> dict[str, float]:
-        """Measured bytes/s per "src->dst" pair: Dask's transfer records, else our probes."""
-        out = {f"{s}->{d}": bw for (s, d), bw in self.probed_bandwidth.items()}
-        for (dst, src), bw in self.scheduler.bandwidth_workers.items():
-            out[f"{src}->{dst}"] = bw  # Dask keys it (receiver, sender)
+        """Measured bytes/s per "src->dst" pair.
+
+        A calibration probe (a real transfer timed from the receiver's transfer log) wins:
+        it is recent. Dask's own per-pair figure fills the other pairs; it averages every
+        transfer over 1 MB since the worker started, so it lags when the link changes.
+        """
+        out = {f"{src}->{dst}": bw for (dst, src), bw in self.scheduler.bandwidth_workers.items()}  # (receiver, sender)
+        out.update({f"{s}->{d}": bw for (s, d), bw in self.probed_bandwidth.items()})
         return out
 
     # -- handlers (client RPC) ------------------------------------------------------------

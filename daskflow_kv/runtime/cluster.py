@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import dask
 
 SCHEDULER_PRELOAD = "daskflow_kv.plugins.kv_scheduler"
+DASHBOARD_PRELOAD = "daskflow_kv.plugins.kv_dashboard"
 WORKER_PRELOAD = "daskflow_kv.runtime.serialization"
 KV_AMM_POLICY = "daskflow_kv.plugins.kv_scheduler.KVAwareReduceReplicas"
 DEFAULT_MEMORY_LIMIT = "4GiB"  # per worker process
@@ -39,7 +40,8 @@ def _preload_argv(kv_budget) -> list[str]:
 
 def scheduler_options(kv_budget=None) -> dict:
     """Scheduler keyword arguments that load the KV plugin as a preload."""
-    return {"preload": [SCHEDULER_PRELOAD], "preload_argv": [_preload_argv(kv_budget)]}
+    # One argv list per preload, or the second preload is silently dropped.
+    return {"preload": [SCHEDULER_PRELOAD, DASHBOARD_PRELOAD], "preload_argv": [_preload_argv(kv_budget), []]}
 
 
 def local_cluster(
@@ -138,7 +140,8 @@ def connect(address: str, timeout: str | float = "10s", **client_kwargs):
 
 def scheduler_command(kv_budget=None, port: int = 8786) -> str:
     """The shell command that starts a KV-aware scheduler by hand (or in its own batch job)."""
-    args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *_preload_argv(kv_budget)]
+    args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *_preload_argv(kv_budget),
+            "--preload", DASHBOARD_PRELOAD]
     return " ".join(shlex.quote(a) for a in args)
 
 

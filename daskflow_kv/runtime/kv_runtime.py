@@ -113,6 +113,7 @@ class KVRuntime:
         memory_weight: float = 0.0,
     ):
         from ..models.loader import load_tokenizer
+        from ..plugins.kv_dashboard import KVDashboardPlugin
         from ..plugins.kv_scheduler import KVSchedulerPlugin
 
         self.client = client
@@ -120,6 +121,7 @@ class KVRuntime:
         client.register_plugin(TorchSerializationPlugin())
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
         client.register_plugin(KVSchedulerPlugin(kv_budget_bytes, memory_weight))
+        client.register_plugin(KVDashboardPlugin())  # /kv page, its JSON, KV series in /metrics
         if kv_budget_bytes is not None or memory_weight:
             self.configure(kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight)
         self.facts: tasks.ModelFacts = client.submit(tasks.model_facts, self.spec, pure=False).result()
