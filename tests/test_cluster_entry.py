@@ -87,7 +87,10 @@ def test_dask_scheduler_preload_loads_the_plugin(tmp_path):
 
 def test_scheduler_command_names_the_preload():
     cmd = kvc.scheduler_command(kv_budget="2GiB", port=8786)
-    assert cmd == "dask scheduler --port 8786 --preload daskflow_kv.plugins.kv_scheduler --kv-budget 2GiB"
+    assert cmd == (
+        "dask scheduler --port 8786 --preload daskflow_kv.plugins.kv_scheduler --kv-budget 2GiB"
+        " --preload daskflow_kv.plugins.kv_dashboard"
+    )
 
 
 def test_amm_config_names_an_importable_policy():
