@@ -79,6 +79,20 @@ def _outputs(cmp) -> str:
     return "\n".join(out)
 
 
+def _calibrate(rt) -> None:
+    """Measure links and prefill speed once, before anything is timed (it also loads the
+    model on every worker, so neither mode pays that inside its run)."""
+    from .cost_model import PrefillProfile
+
+    t = time.perf_counter()
+    cal = rt.calibrate()
+    bws = cal["bandwidth"].values()
+    rates = [PrefillProfile(p["a"], p["b"], p["c"]).tokens_per_second for p in cal["prefill_profiles"].values()]
+    bw = f"{min(bws) / 1e9:.2f}-{max(bws) / 1e9:.2f} GB/s" if bws else "n/a (one worker)"
+    tps = f"{min(rates):.0f}-{max(rates):.0f} tok/s" if rates else "n/a"
+    print(f"calibrated in {time.perf_counter() - t:.1f}s: worker links {bw}, prefill {tps}", flush=True)
+
+
 def cmd_run(args, workflow: str) -> int:
     from .executor import Comparison, run_state_mode, run_text_mode
     from .runtime.cluster import close_runtime, kv_runtime, local_cluster
@@ -95,6 +109,8 @@ def cmd_run(args, workflow: str) -> int:
             print(f"Dask dashboard: {rt.client.dashboard_link}", flush=True)
             print(f"KV page:        {rt.client.dashboard_link.rsplit('/', 1)[0]}/kv", flush=True)
         print(f"model {args.model} ({args.dtype}) ready in {time.perf_counter() - t0:.1f}s", flush=True)
+        if args.mode != "text":
+            _calibrate(rt)
         wf = _build(workflow, args, rt.tokenizer)
         compile_ = lambda: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
         result = None
