@@ -241,7 +241,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.samples[msg["worker"]].append(PrefillSample(msg["new_tokens"], msg.get("prefix_tokens", 0), msg["seconds"]))
         if msg.get("op") != "calibrate":
             self.catalog.count("tokens_computed", msg["new_tokens"])
-            self.catalog.count("tokens_reused", msg.get("prefix_tokens", 0))
+            # A batch reads one prefix for k branches: it reports the k-fold reuse separately.
+            self.catalog.count("tokens_reused", msg.get("tokens_reused", msg.get("prefix_tokens", 0)))
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         # Runs after Dask's own transitions for the loss. Tasks planned on the dead worker

@@ -176,13 +176,15 @@ def test_bytes_moved_once_per_destination_worker(client, rt, engine, workers):
     assert not [k for e in _incoming(client, a) for k in e["keys"] if str(k).startswith("kvblock-")]
     assert rt.counters()["counters"]["bytes_transferred"] - before == root.nbytes  # charged once
 
-    # Each consumer task depends on exactly the blocks it reads.
-    prefill_keys = [f"kvprefill-resume-{g.state.state_id}" for g in gens]
+    # Each consumer task (one batch per worker: two branches there) depends on exactly the blocks it reads.
+    batch_keys = {f"kvprefill-resume-batch-{g.state.state_id}" for g in gens}  # named after a batch's first branch
     deps = client.run_on_scheduler(
-        lambda dask_scheduler, keys: {k: sorted(d.key for d in dask_scheduler.tasks[k].dependencies) for k in keys},
-        keys=prefill_keys,
+        lambda dask_scheduler, keys: {
+            k: sorted(d.key for d in dask_scheduler.tasks[k].dependencies) for k in keys if k in dask_scheduler.tasks
+        },
+        keys=sorted(batch_keys),
     )
-    assert all(d == sorted(root.state.block_keys) for d in deps.values())
+    assert len(deps) == 2 and all(d == sorted(root.state.block_keys) for d in deps.values())
 
 
 # -- the cost model drives the plan -----------------------------------------------------------

@@ -62,8 +62,9 @@ def test_killing_the_block_holder_mid_workflow_gives_identical_outputs(client):
     t0 = time.time()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    _until(lambda: sum(str(k).startswith("kvprefill-resume") for k in client.processing(workers=[a])[a])
-           == len(sufs), what="the resume tasks to be queued on a")
+    # The branches pinned to a run as one batched resume task (one prefix copy, one decode batch).
+    _until(lambda: sum(str(k).startswith("kvprefill-resume-batch") for k in client.processing(workers=[a])[a])
+           == 1, what="the batched resume task to be queued on a")
 
     pid = client.run(os.getpid, workers=[a])[a]
     os.kill(pid, signal.SIGKILL)  # the holder of every block of the context dies

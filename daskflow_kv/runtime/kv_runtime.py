@@ -269,22 +269,33 @@ class KVRuntime:
             self.decisions.append(p.decision)
 
     def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
+        return self._compute_task(tasks.prefill, req, inputs, f"kvprefill-{req.op}-{req.state_id}", req.op,
+                                  req.state_id, worker, reads, placement)
+
+    def _batch_task(self, breq: tasks.BatchPrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
+        """One ``prefill_batch`` for several branches of one prefix on one worker."""
+        return self._compute_task(tasks.prefill_batch, breq, inputs, f"kvprefill-{breq.op}-{breq.batch_id}",
+                                  breq.op, breq.batch_id, worker, reads, placement,
+                                  branches=[r.state_id for r in breq.requests])
+
+    def _compute_task(self, fn, req, inputs, key, op, state_id, worker, reads=(), placement=None, **extra) -> Future:
         note = {
             "role": "compute",
-            "op": req.op,
-            "state_id": req.state_id,
+            "op": op,
+            "state_id": state_id,
             "target": worker,
             "reads": list(reads),
             "decision": None if placement is None else placement.decision_dict(),
             "first": bool(placement is not None and placement.first),
+            **extra,
         }
         with dask.annotate(kv=note):
             return self.client.submit(
-                tasks.prefill,
+                fn,
                 self.spec,
                 req,
                 *inputs,
-                key=f"kvprefill-{req.op}-{req.state_id}",
+                key=key,
                 workers=[worker] if worker else None,  # strict; the plugin loosens it if worker dies
                 pure=False,
             )
@@ -365,12 +376,15 @@ class KVRuntime:
         policy: str = "auto",
         workers: Sequence[str] | None = None,
         return_logits: bool = False,
+        batch: bool = True,
     ) -> list[DistGeneration]:
         """Resume several branches in parallel, placed across workers by the cost model.
 
         policy: auto (cost model per destination) | transfer | recompute (forced for every
         destination that lacks the blocks) | pin (every branch runs where its blocks are).
-        ``workers`` limits the workers branches spread over.
+        ``workers`` limits the workers branches spread over. ``batch``: branches of one
+        state placed on the same worker run as one ``prefill_batch`` task (one copy of the
+        prefix, decoded together; the same tokens); False runs one ``prefill`` per branch.
         """
         if max_new_tokens < 1:
             raise ValueError("resume generates at least one token; use extend to only prefill")
@@ -396,15 +410,32 @@ class KVRuntime:
                 plans[i] = (match, p)
 
         replicas: dict = {}
-        outputs, sids = [], []
+        sids = [new_state_id("resume") for _ in plans]
+        reqs = [
+            tasks.PrefillRequest(tuple(prompts[i]), p.reused, max_new_tokens, sampling, i, return_logits, "resume",
+                                 sids[i])
+            for i, (_, p) in enumerate(plans)
+        ]
+        # Branches that read the same prefix (same match, same reused tokens, same inputs) on
+        # the same worker share one batched task; a lone branch keeps the plain prefill.
+        batches: dict[tuple, list[int]] = {}
         for i, (match, p) in enumerate(plans):
             self._record(p)
-            sid = new_state_id("resume")
-            inputs, reads = self._inputs(match, p, prompts[i], replicas)
-            req = tasks.PrefillRequest(tuple(prompts[i]), p.reused, max_new_tokens, sampling, i, return_logits,
-                                       "resume", sid)
-            outputs.append(self._prefill_task(req, inputs, p.worker, reads, p))
-            sids.append(sid)
+            slot = (id(match), p.reused, p.worker, p.action) if batch and p.worker else ("single", i)
+            batches.setdefault(slot, []).append(i)
+        outputs: list[Future] = [None] * len(plans)  # type: ignore[list-item]
+        for idxs in batches.values():
+            match, p = plans[idxs[0]]
+            inputs, reads = self._inputs(match, p, prompts[idxs[0]], replicas)
+            if len(idxs) == 1:
+                outputs[idxs[0]] = self._prefill_task(reqs[idxs[0]], inputs, p.worker, reads, p)
+                continue
+            first = next((plans[i][1] for i in idxs if plans[i][1].first), p)  # carries the destination's decision
+            breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{sids[idxs[0]]}")
+            out = self._batch_task(breq, inputs, p.worker, reads, first)
+            for j, i in enumerate(idxs):
+                outputs[i] = self._submit_near(p.worker, tasks.take_branch, out, j, key=f"kvprefill-branch-{sids[i]}")
+            del out  # the branch outputs hold the batch now; Dask frees it once they are computed
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
         results = self.client.gather([
             self._submit_near(p.worker, tasks.take_result, out, key=f"kvresult-{sid}")

@@ -76,6 +76,27 @@ class PrefillOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchPrefillRequest:
+    """Several resumes of one prefix on one worker: decoded together by ``resume_batch``.
+
+    Every request continues the same ``reused`` leading tokens (read once from the prefix
+    blocks passed along) and keeps its own stream, token limit and state id.
+    """
+
+    requests: tuple[PrefillRequest, ...]
+    reused: int
+    op: str = "resume"
+    batch_id: str = ""  # names the batch in events
+
+
+@dataclass(slots=True)
+class BatchPrefillOutput:
+    outputs: list[PrefillOutput]  # one per request, in order
+    stats: dict  # BatchStats.as_dict()
+    worker: str
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationResult:
     """The small, block-free part of a prefill: safe to gather to the client."""
 
@@ -91,6 +112,11 @@ class GenerationResult:
 def _sizeof_prefill_output(out: PrefillOutput) -> int:
     tensors = sum(sizeof_torch_tensor(b) for b in out.blocks)
     return tensors + (0 if out.logits is None else sizeof_torch_tensor(out.logits)) + 64 + 8 * len(out.generated)
+
+
+@sizeof.register(BatchPrefillOutput)
+def _sizeof_batch_prefill_output(out: BatchPrefillOutput) -> int:
+    return sum(_sizeof_prefill_output(o) for o in out.outputs) + 256
 
 
 @sizeof.register(GenerationResult)
@@ -174,6 +200,65 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
         worker,
         out.logits,
     )
+
+
+def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: torch.Tensor) -> BatchPrefillOutput:
+    """Every request of ``breq`` at once over one copy of the prefix (``batched.resume_batch``).
+
+    Branch j samples from stream ``requests[j].stream``, as ``prefill`` would, so its tokens
+    are those of a single resume. One timing event covers the whole batch.
+    """
+    from ..batched import resume_batch
+
+    runner = get_runner(spec)
+    reqs = breq.requests
+    if len({(r.sampling or GREEDY, r.return_logits) for r in reqs}) != 1:
+        raise ValueError("a prefill batch needs one sampling setting and one return_logits for all branches")
+    if any(r.reused != breq.reused for r in reqs):
+        raise ValueError("every branch of a prefill batch continues the same reused prefix")
+    t0 = time.perf_counter()
+    batch = resume_batch(
+        runner,
+        list(prefix_blocks),
+        breq.reused,
+        [list(r.tokens[breq.reused :]) for r in reqs],
+        [r.max_new_tokens for r in reqs],
+        reqs[0].sampling or GREEDY,
+        [r.stream for r in reqs],
+        reqs[0].return_logits,
+    )
+    worker = _worker_address()
+    _report(
+        {
+            "worker": worker,
+            "op": breq.op,
+            "state_id": breq.batch_id,
+            "state_ids": [r.state_id for r in reqs],
+            "branches": len(reqs),
+            "new_tokens": sum(len(r.tokens) - breq.reused for r in reqs),
+            "prefix_tokens": breq.reused,  # what each new token attended to (the profile's input)
+            "tokens_reused": breq.reused * len(reqs),  # every branch reused the prefix (the counter's)
+            "seconds": batch.stats.prefill_s,
+            "load_seconds": batch.stats.load_s,
+            "task_seconds": time.perf_counter() - t0,
+        }
+    )
+    outputs = [
+        PrefillOutput(
+            out.generated,
+            out.metrics.as_dict(),
+            [b for _, _, b in out.new_blocks],
+            [(s, e) for s, e, _ in out.new_blocks],
+            worker,
+            out.logits,
+        )
+        for out in batch
+    ]
+    return BatchPrefillOutput(outputs, batch.stats.as_dict(), worker)
+
+
+def take_branch(output: BatchPrefillOutput, index: int) -> PrefillOutput:
+    return output.outputs[index]
 
 
 def take_block(output: PrefillOutput, index: int) -> torch.Tensor:
