@@ -7,10 +7,12 @@ empty prefix, so baseline and reuse share one code path and differ only in what 
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 
 from .blocks import DEFAULT_BLOCK_SIZE, aligned_floor, split_spans
 from .cache_layer import growable_cache
@@ -51,6 +53,13 @@ class ModelRunner:
     """One loaded model plus what a KV state must agree with to be used by it."""
 
     def __init__(self, model, tokenizer, model_id: str, block_size: int = DEFAULT_BLOCK_SIZE, namespace: str = ""):
+        if "cache" not in inspect.signature(model.forward).parameters:
+            # Older transformers take past_key_values and would silently drop `cache=`: the
+            # resumed prefix would be ignored and outputs wrong. Refuse instead.
+            raise RuntimeError(
+                f"{type(model).__name__}.forward has no `cache` argument (transformers "
+                f"{transformers.__version__}); daskflow-kv needs transformers >= 5.24"
+            )
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.model = model
         self.tokenizer = tokenizer
