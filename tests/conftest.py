@@ -48,3 +48,27 @@ def assert_same_generation(state_gen, text_gen, rtol=1e-4):
     if state_gen.logits is not None and text_gen.logits is not None:
         scale = text_gen.logits.abs().max()
         assert float((state_gen.logits - text_gen.logits).abs().max()) <= rtol * float(scale)
+
+
+# -- a real 2-process Dask cluster, one per test module that asks for it ------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    from daskflow_kv.runtime.cluster import local_cluster
+
+    with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from distributed import Client
+
+    with Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def workers(client):
+    ws = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    assert len(ws) == 2
+    return ws

@@ -8,35 +8,14 @@ import time
 
 import pytest
 from conftest import CONTEXT, SUFFIXES, make_engine
-from distributed import Client
 
 from daskflow_kv.runtime import tasks
-from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.sampling import SamplingParams
 
 EVENTS = "daskflow-kv"
 NEW = 6
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def workers(client):
-    ws = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    assert len(ws) == 2
-    return ws
 
 
 _RUNTIMES = {}

@@ -2,21 +2,12 @@
 
 import time
 
-import pytest
 from conftest import CONTEXT, SUFFIXES, make_engine
-from distributed import Client
 
-from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
 
 NEW = 4
-
-
-@pytest.fixture(scope="module")
-def client():
-    with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as c:
-        yield c
 
 
 def _worker_kv_bytes(client) -> dict[str, int]:

@@ -14,25 +14,12 @@ from distributed import Client
 from daskflow_kv.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, decide
 from daskflow_kv.errors import IncompatibleStateError, StateReleasedError
 from daskflow_kv.runtime.catalog import ARROW_COLUMNS
-from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
 from daskflow_kv.runtime.tasks import PREFILL_TOPIC
 
 EVENTS = "daskflow-kv"
 NEW = 6  # tokens generated per branch
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +30,6 @@ def rt(client):
 @pytest.fixture(scope="module")
 def engine():
     return make_engine("tiny-llama", block_size=16)
-
-
-@pytest.fixture(scope="module")
-def workers(client):
-    ws = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    assert len(ws) == 2
-    return ws
 
 
 @pytest.fixture(autouse=True)

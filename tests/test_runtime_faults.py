@@ -5,11 +5,9 @@ import signal
 import threading
 import time
 
-import pytest
 from conftest import CONTEXT, SUFFIXES, make_engine
-from distributed import Client, Event
+from distributed import Event
 
-from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 
 NEW = 5
@@ -18,12 +16,6 @@ NEW = 5
 def _gate(name: str) -> bool:
     Event(name).wait()
     return True
-
-
-@pytest.fixture(scope="module")
-def client():
-    with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as c:
-        yield c
 
 
 def _until(pred, timeout=30.0, what=""):
