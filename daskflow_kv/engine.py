@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from .text_codec import TextCodec
 from . import compat
 from .blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len
 from .block_store import BlockStore
@@ -33,7 +34,7 @@ class Generation:
     own_blocks: tuple[BlockRef, ...] = ()  # blocks the continuation added to its parent's
 
 
-class Engine:
+class Engine(TextCodec):
     def __init__(
         self,
         model: str = "tiny-llama",
@@ -65,12 +66,6 @@ class Engine:
     @property
     def block_size(self) -> int:
         return self.runner.block_size
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     # -- internals ----------------------------------------------------------------------
     def _check(self, state: KVState) -> None:

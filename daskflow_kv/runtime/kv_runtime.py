@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import dask
 from distributed import Client, Future, wait
 
+from ..text_codec import TextCodec
 from .. import compat
 from ..blocks import (
     DEFAULT_BLOCK_SIZE,
@@ -100,7 +101,7 @@ class _Match:
         return {"tokens": self.tokens, "blocks": self.blocks}
 
 
-class KVRuntime:
+class KVRuntime(TextCodec):
     def __init__(
         self,
         client: Client,
@@ -141,12 +142,6 @@ class KVRuntime:
     @property
     def block_size(self) -> int:
         return self.spec.block_size
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     def configure(self, kv_budget_bytes: int | None = None, memory_weight: float | None = None, unset_budget=False):
         self._rpc("kv_configure", kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight, unset_budget=unset_budget)

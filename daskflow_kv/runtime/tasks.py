@@ -192,6 +192,11 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
             "task_seconds": time.perf_counter() - t0,
         }
     )
+    return _output(out, worker)
+
+
+def _output(out, worker: str) -> PrefillOutput:
+    """A runner's RunOutput as a task result: blocks and their spans, tensors not copied."""
     return PrefillOutput(
         out.generated,
         out.metrics.as_dict(),
@@ -243,17 +248,7 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
             "task_seconds": time.perf_counter() - t0,
         }
     )
-    outputs = [
-        PrefillOutput(
-            out.generated,
-            out.metrics.as_dict(),
-            [b for _, _, b in out.new_blocks],
-            [(s, e) for s, e, _ in out.new_blocks],
-            worker,
-            out.logits,
-        )
-        for out in batch
-    ]
+    outputs = [_output(out, worker) for out in batch]
     return BatchPrefillOutput(outputs, batch.stats.as_dict(), worker)
 
 

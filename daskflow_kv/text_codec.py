@@ -1,0 +1,19 @@
+"""Text <-> token ids, the same way everywhere: no special tokens added, none decoded.
+
+Both modes build prompts from text and must feed the model identical ids, so the engine and
+the distributed runtime share this one definition.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class TextCodec:
+    """Mixin for classes with a ``tokenizer`` attribute or property."""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
