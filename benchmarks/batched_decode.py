@@ -5,7 +5,7 @@ prefix state by
   sequential  Engine.resume per branch (each loads its own copy of the prefix, decodes alone)
   hf-recipe   transformers' prefix caching recipe: prefill the prefix once into a DynamicCache,
               then per branch ``copy.deepcopy(cache)`` + ``model.generate`` (greedy)
-  batched     resume_forks: prefix loaded once, one batched suffix prefill, one forward per
+  batched     Engine.resume_forks: prefix loaded once, one batched suffix prefill, one forward per
               decode step for all live branches (``--modes``: replay and/or shared attention)
 Tokens of every method are checked equal to sequential before any speed is reported.
 Prefix materialization is excluded from every timing (it is shared state). Writes a table to
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from daskflow_kv.batched import resume_forks
 from daskflow_kv.engine import Engine
 
 TOPICS = [
@@ -137,7 +136,7 @@ def run_model(
     eng, st = fresh()
     eng.resume(st, all_sufs[0], max_new_tokens=2)
     for mode in modes:
-        resume_forks(eng, st, all_sufs[:2], max_new_tokens=2, attention=mode)
+        eng.resume_forks(st, all_sufs[:2], max_new_tokens=2, attention=mode)
     hf_recipe(eng, prefix, all_sufs[:1], 2)()
 
     dev = runner.device
@@ -184,7 +183,7 @@ def run_model(
             eng, st = fresh()
             mem = _mem_start(dev)
             t = time.perf_counter()
-            gens = resume_forks(eng, st, sufs, max_new_tokens=new_tokens, attention=mode)
+            gens = eng.resume_forks(st, sufs, max_new_tokens=new_tokens, attention=mode)
             wall = time.perf_counter() - t
             stats = gens.stats
             return (

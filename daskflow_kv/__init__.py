@@ -1,7 +1,14 @@
 """daskflow-kv: the transformer KV cache as a first-class distributed object on Dask.
 
-Exports are lazy: ``import daskflow_kv.cost_model`` (the scheduler plugin does) must not pull
-in torch and transformers.
+Layers, lowest first (each imports only from those before it; ``tests/test_layout.py``
+checks it): ``errors``/``config`` -> ``state`` (KV descriptors, blocks, catalog) and
+``policy`` (cost model, placement, eviction; pure) -> ``model`` (forward passes over
+blocks) -> ``engine`` (the operators in one process) and ``plugins`` (scheduler side) ->
+``runtime`` (the operators on Dask) -> ``flow`` (workflows, compiler, executor) ->
+``workflows`` (examples) -> ``bench`` -> ``cli``.
+
+Exports are lazy: the scheduler plugin imports ``daskflow_kv.policy`` and must not pull in
+torch and transformers.
 """
 
 import importlib
@@ -9,12 +16,13 @@ import importlib
 _EXPORTS = {
     "Engine": "engine",
     "Generation": "engine",
-    "KVState": "kv_state",
-    "Workflow": "workflow",
-    "Agent": "workflow",
-    "Context": "workflow",
-    "SamplingParams": "sampling",
-    "GREEDY": "sampling",
+    "KVState": "state.kv_state",
+    "Workflow": "flow.workflow",
+    "Agent": "flow.spec",
+    "Context": "flow.spec",
+    "SamplingParams": "model.sampling",
+    "GREEDY": "model.sampling",
+    "KVRuntime": "runtime.kv_runtime",
     "DaskflowKVError": "errors",
     "IncompatibleStateError": "errors",
     "MergeError": "errors",

@@ -39,7 +39,7 @@ def _progress(mode: str, level: int, levels: int, names) -> None:
 
 
 def _table(cmp_or_result) -> str:
-    from .executor import Comparison
+    from .flow.executor import Comparison
 
     state = cmp_or_result.state if isinstance(cmp_or_result, Comparison) else cmp_or_result
     text = cmp_or_result.text if isinstance(cmp_or_result, Comparison) else None
@@ -69,7 +69,7 @@ def _summary(cmp) -> str:
 
 
 def _outputs(cmp) -> str:
-    from .executor import Comparison
+    from .flow.executor import Comparison
 
     state = cmp.state if isinstance(cmp, Comparison) else cmp
     out = []
@@ -82,7 +82,7 @@ def _outputs(cmp) -> str:
 def _calibrate(rt) -> None:
     """Measure links and prefill speed once, before anything is timed (it also loads the
     model on every worker, so neither mode pays that inside its run)."""
-    from .cost_model import PrefillProfile
+    from .policy.cost_model import PrefillProfile
 
     t = time.perf_counter()
     cal = rt.calibrate()
@@ -94,7 +94,7 @@ def _calibrate(rt) -> None:
 
 
 def cmd_run(args, workflow: str) -> int:
-    from .executor import Comparison, run_state_mode, run_text_mode
+    from .flow.executor import Comparison, run_state_mode, run_text_mode
     from .runtime.cluster import close_runtime, kv_runtime, local_cluster
 
     t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def cmd_run(args, workflow: str) -> int:
 def cmd_explain(args) -> int:
     from transformers import AutoConfig
 
-    from .models.loader import load_tokenizer, resolve_model_path
+    from .model.zoo.loader import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)
     max_pos = AutoConfig.from_pretrained(resolve_model_path(args.model)).max_position_embeddings
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     exp = sub.add_parser("explain", help="print a workflow's stateful graph G_s")
     exp.add_argument("workflow")
     _common(exp, "tiny-llama")
-    from .catalog_export import add_catalog_subcommand
+    from .runtime.catalog_export import add_catalog_subcommand
 
     add_catalog_subcommand(sub)
     args = parser.parse_args(argv)

@@ -13,15 +13,16 @@ from typing import Sequence
 
 import torch
 
-from .text_codec import TextCodec
-from . import compat
-from .blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len
-from .block_store import BlockStore
 from .errors import MergeError
-from .kv_state import KVState, LineageEvent, new_state_id
-from .model_runner import ModelRunner, RunMetrics
-from .prefix_index import PrefixIndex
-from .sampling import GREEDY, SamplingParams
+from .model.batched import BatchStats, resume_batch
+from .model.runner import ModelRunner, RunMetrics
+from .model.sampling import GREEDY, SamplingParams
+from .model.text_codec import TextCodec
+from .state import compat
+from .state.block_store import BlockStore
+from .state.blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len
+from .state.kv_state import KVState, LineageEvent, new_state_id
+from .state.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True)
@@ -32,6 +33,12 @@ class Generation:
     metrics: RunMetrics  # timings and token counts
     state: KVState | None = None  # continuation state (state mode only)
     own_blocks: tuple[BlockRef, ...] = ()  # blocks the continuation added to its parent's
+
+
+class ForkGenerations(list):
+    """The ``Generation`` of every branch, in order, plus the batch's ``stats``."""
+
+    stats: BatchStats | None = None
 
 
 class Engine(TextCodec):
@@ -45,7 +52,7 @@ class Engine(TextCodec):
         runner: ModelRunner | None = None,
     ):
         if runner is None:
-            from .models.loader import load_model
+            from .model.zoo.loader import load_model
 
             lm = load_model(model, dtype=dtype, device=device)
             runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
@@ -178,14 +185,52 @@ class Engine(TextCodec):
             out.generated, self.decode(out.generated), out.logits, out.metrics, new, new.own_blocks(state)
         )
 
-    def resume_forks(self, state: KVState, suffixes, max_new_tokens=32, sampling: SamplingParams = GREEDY, **kw):
-        """Resume k branches of ``state`` as one batch over one copy of its prefix.
+    def resume_forks(
+        self,
+        state: KVState,
+        suffixes: Sequence[Sequence[int] | str],
+        max_new_tokens: int | Sequence[int] = 32,
+        sampling: SamplingParams = GREEDY,
+        streams: Sequence[int] | None = None,
+        return_logits: bool = False,
+        **batch_kw,
+    ) -> ForkGenerations:
+        """``resume(state, suffixes[i], stream=streams[i])`` for every i, as one batch.
 
-        Same tokens as k calls of ``resume`` (stream i for branch i); see ``batched.py``.
+        Same tokens as k separate resumes, over one copy of the prefix (``model/batched.py``).
+        Returns one ``Generation`` per branch with its published continuation state, as a
+        list whose ``stats`` attribute holds the batch's ``BatchStats``.
         """
-        from .batched import resume_forks
-
-        return resume_forks(self, state, suffixes, max_new_tokens, sampling, **kw)
+        self._check(state)
+        suffixes = [self.encode(s) if isinstance(s, str) else list(s) for s in suffixes]
+        k = len(suffixes)
+        limits = [max_new_tokens] * k if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != k:
+            raise ValueError(f"{k} suffixes but {len(limits)} token limits")
+        for suf, m in zip(suffixes, limits):
+            if m < 1:
+                raise ValueError("resume generates at least one token; use extend to only prefill")
+            compat.check_tokens(list(state.tokens) + suf, self.runner.vocab_size)
+            compat.check_positions(state.length, len(suf), m, self.runner.max_positions)
+        # Decoding needs the last fed token's logits: a branch with no suffix re-feeds the
+        # state's last token (as Engine.resume does), so then every branch shares one less token.
+        prefix = state.length if all(suffixes) else state.length - 1
+        feeds = [list(state.tokens[prefix:]) + suf for suf in suffixes]
+        blocks = [self.store.get(b.key) for b in state.blocks if b.start < prefix]
+        batch = resume_batch(self.runner, blocks, prefix, feeds, limits, sampling, streams, return_logits, **batch_kw)
+        kept = [b for b in state.blocks if b.end <= aligned_floor(prefix, self.block_size)]
+        out = ForkGenerations()
+        out.stats = batch.stats
+        for feed, run in zip(feeds, batch):
+            tokens = list(state.tokens[:prefix]) + feed + run.generated[:-1]
+            new = self._publish(
+                tokens, kept, run.new_blocks, "resume", (state,), tokens_reused=prefix, tokens_computed=len(feed), batched=k
+            )
+            self._states[new.state_id] = new
+            out.append(
+                Generation(run.generated, self.decode(run.generated), run.logits, run.metrics, new, new.own_blocks(state))
+            )
+        return out
 
     def merge(self, a: KVState, b: KVState, how: str = "auto") -> KVState:
         """Combine two states only in ways that stay exact.
@@ -246,3 +291,4 @@ class Engine(TextCodec):
             [], 0, tokens, max_new_tokens, sampling=sampling, stream=stream, return_logits=return_logits, export=False
         )
         return Generation(out.generated, self.decode(out.generated), out.logits, out.metrics)
+

@@ -3,9 +3,9 @@
 import pytest
 from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
 
-from daskflow_kv.batched import batched_twin, resume_batch, resume_forks
-from daskflow_kv.model_runner import ModelRunner
-from daskflow_kv.sampling import SamplingParams
+from daskflow_kv.model.batched import batched_twin, resume_batch
+from daskflow_kv.model.runner import ModelRunner
+from daskflow_kv.model.sampling import SamplingParams
 
 LIMITS = [16, 5, 12, 16]  # per-branch max tokens, ragged like the suffixes
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
@@ -75,7 +75,7 @@ def test_resume_forks_matches_engine_resume(engine):
     ctx, root, _ = _prefix(engine)
     forks = engine.fork(root, 4)
     sufs = [engine.encode(s) for s in SUFFIXES]
-    gens = resume_forks(engine, root, sufs, max_new_tokens=LIMITS, return_logits=True)
+    gens = engine.resume_forks(root, sufs, max_new_tokens=LIMITS, return_logits=True)
     for i, (branch, suf, lim, got) in enumerate(zip(forks, sufs, LIMITS, gens)):
         want = engine.resume(branch, suf, max_new_tokens=lim, stream=i, return_logits=True)
         assert_same_generation(got, want)
@@ -94,7 +94,7 @@ def test_resume_forks_with_an_empty_suffix():
     engine = make_engine("tiny-qwen2", "bfloat16")
     _, root, _ = _prefix(engine)
     sufs = [[], engine.encode(SUFFIXES[2]), engine.encode(SUFFIXES[0])]
-    gens = resume_forks(engine, root, sufs, max_new_tokens=10, sampling=SAMPLED, streams=[4, 5, 6])
+    gens = engine.resume_forks(root, sufs, max_new_tokens=10, sampling=SAMPLED, streams=[4, 5, 6])
     for suf, stream, got in zip(sufs, [4, 5, 6], gens):
         want = engine.resume(root, suf, max_new_tokens=10, sampling=SAMPLED, stream=stream)
         assert got.tokens == want.tokens and got.state.tokens == want.state.tokens
@@ -127,7 +127,7 @@ def test_peak_kv_bytes_k16(dtype):
 def test_kv_accounting_matches_allocated_storage():
     engine = make_engine("tiny-llama", "bfloat16")
     ctx, _, blocks = _prefix(engine)
-    from daskflow_kv.batched_cache import SharedPrefixCache
+    from daskflow_kv.model.batched_cache import SharedPrefixCache
 
     seen = {}
     orig = SharedPrefixCache.load_prefix
@@ -212,8 +212,8 @@ def test_eager_attention_model():
     """A model on transformers' eager kernel (looked up from its own module) also batches exactly."""
     from transformers import AutoModelForCausalLM
 
-    from daskflow_kv.models.loader import load_model
-    from daskflow_kv.models.tiny import build_tiny
+    from daskflow_kv.model.zoo.loader import load_model
+    from daskflow_kv.model.zoo.tiny import build_tiny
 
     lm = load_model("tiny-qwen2")
     model = AutoModelForCausalLM.from_pretrained(build_tiny("tiny-qwen2"), attn_implementation="eager").eval()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from daskflow_kv.blocks import BlockRef, aligned_floor, block_key, chain_keys, split_spans
-from daskflow_kv.prefix_index import PrefixIndex
+from daskflow_kv.state.blocks import BlockRef, aligned_floor, block_key, chain_keys, split_spans
+from daskflow_kv.state.prefix_index import PrefixIndex
 
 FP = "fingerprint-a"
 

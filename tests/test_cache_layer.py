@@ -2,7 +2,7 @@
 
 import torch
 
-from daskflow_kv.cache_layer import GrowableLayer, growable_cache
+from daskflow_kv.model.cache_layer import GrowableLayer, growable_cache
 
 
 def test_decode_appends_in_place_without_reallocation():

@@ -2,10 +2,10 @@
 
 import pytest
 
-from daskflow_kv.compiler import group_by_prefix
+from daskflow_kv.flow.compiler import group_by_prefix
 from daskflow_kv.errors import ContextTooLongError, WorkflowError
-from daskflow_kv.models.loader import load_tokenizer
-from daskflow_kv.workflow import Workflow
+from daskflow_kv.model.zoo.loader import load_tokenizer
+from daskflow_kv.flow.workflow import Workflow
 from daskflow_kv.workflows import WORKFLOWS
 
 TOK = load_tokenizer("tiny-llama")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from daskflow_kv.cost_model import (
+from daskflow_kv.policy.cost_model import (
     DEFAULT_LATENCY,
     LinkProfile,
     NeedsCalibration,
@@ -238,7 +238,7 @@ def test_explain_has_the_numbers():
 
 
 def test_policy_modules_import_without_heavy_dependencies():
-    code = ("import sys, daskflow_kv.cost_model, daskflow_kv.eviction; "
+    code = ("import sys, daskflow_kv.policy.cost_model, daskflow_kv.policy.eviction; "
             "heavy = {'torch', 'numpy', 'dask', 'distributed', 'transformers'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from daskflow_kv.eviction import (
+from daskflow_kv.policy.eviction import (
     BlockUsage,
     EvictionPlan,
     EvictionWeights,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
 
-from daskflow_kv.blocks import common_prefix_len
+from daskflow_kv.state.blocks import common_prefix_len
 from daskflow_kv.errors import MergeError
 
 

@@ -5,7 +5,7 @@ from conftest import CONTEXT, make_engine
 
 from daskflow_kv.engine import Engine
 from daskflow_kv.errors import ContextTooLongError, IncompatibleStateError, MergeError, StateReleasedError
-from daskflow_kv.model_runner import ModelRunner
+from daskflow_kv.model.runner import ModelRunner
 
 
 def test_state_from_another_model_architecture():
@@ -61,7 +61,7 @@ def test_merge_across_models_refused():
     b = qwen.materialize(CONTEXT)
     with pytest.raises(IncompatibleStateError):
         llama.merge(a, b)
-    from daskflow_kv import compat
+    from daskflow_kv.state import compat
 
     with pytest.raises(MergeError, match="model_id"):
         compat.check_pair(a, b)

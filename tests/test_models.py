@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from daskflow_kv.attention import EXACT_ATTENTION
-from daskflow_kv.models import smollm2
-from daskflow_kv.models.loader import as_dtype, clear_model_cache, load_model, model_id_for
-from daskflow_kv.models.tiny import BUILDER_VERSION, build_tiny, tiny_model_names
+from daskflow_kv.model.attention import EXACT_ATTENTION
+from daskflow_kv.model.zoo import smollm2
+from daskflow_kv.model.zoo.loader import as_dtype, clear_model_cache, load_model, model_id_for
+from daskflow_kv.model.zoo.tiny import BUILDER_VERSION, build_tiny, tiny_model_names
 
 # Text that a re-normalizing tokenizer (NFC, another split regex) would not round-trip.
 ODD_TEXT = "Hello   world 123456 don't\ncafe\u0301 \u65e5\u672c <|eos|> x"

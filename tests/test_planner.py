@@ -4,13 +4,13 @@ import math
 
 import pytest
 
-from daskflow_kv.cost_model import (
+from daskflow_kv.policy.cost_model import (
     DEFAULT_LATENCY,
     NeedsCalibration,
     PrefillProfile,
     crossover_bandwidth,
 )
-from daskflow_kv.runtime.planner import (
+from daskflow_kv.policy.placement import (
     ClusterView,
     holder_of,
     plan_placements,

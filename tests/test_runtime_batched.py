@@ -11,7 +11,7 @@ from conftest import CONTEXT, SUFFIXES, make_engine
 
 from daskflow_kv.runtime import tasks
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from daskflow_kv.sampling import SamplingParams
+from daskflow_kv.model.sampling import SamplingParams
 
 EVENTS = "daskflow-kv"
 NEW = 6

@@ -1,7 +1,7 @@
 """The scheduler plugin's catalog as plain data: lifecycle, prefix index, pruning, Arrow export."""
 
-from daskflow_kv.blocks import chain_keys
-from daskflow_kv.runtime.catalog import ARROW_COLUMNS, KVCatalog, rows_to_arrow
+from daskflow_kv.state.blocks import chain_keys
+from daskflow_kv.state.catalog import ARROW_COLUMNS, KVCatalog, rows_to_arrow
 
 FP = "fp0"
 

@@ -11,9 +11,9 @@ import pytest
 from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
 from distributed import Client
 
-from daskflow_kv.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, decide
+from daskflow_kv.policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, decide
 from daskflow_kv.errors import IncompatibleStateError, StateReleasedError
-from daskflow_kv.runtime.catalog import ARROW_COLUMNS
+from daskflow_kv.state.catalog import ARROW_COLUMNS
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
 from daskflow_kv.runtime.tasks import PREFILL_TOPIC

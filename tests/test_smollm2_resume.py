@@ -3,7 +3,7 @@
 import pytest
 from conftest import assert_same_generation
 
-from daskflow_kv.models.smollm2 import smollm2_available
+from daskflow_kv.model.zoo.smollm2 import smollm2_available
 
 pytestmark = [
     pytest.mark.slow,

@@ -3,10 +3,10 @@ materializes each shared prefix once, and prefills far fewer tokens."""
 
 import pytest
 
-from daskflow_kv.blocks import common_prefix_len
-from daskflow_kv.compiler import group_by_prefix
-from daskflow_kv.executor import Comparison, run_state_mode, run_text_mode
-from daskflow_kv.prompts import prompt_tokens
+from daskflow_kv.state.blocks import common_prefix_len
+from daskflow_kv.flow.compiler import group_by_prefix
+from daskflow_kv.flow.executor import Comparison, run_state_mode, run_text_mode
+from daskflow_kv.flow.prompts import prompt_tokens
 from daskflow_kv.runtime.cluster import embedded_runtime
 from daskflow_kv.workflows import WORKFLOWS
 

@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from ..cost_model import (
+from ..policy.cost_model import (
     DEFAULT_LATENCY,
     LinkProfile,
     NeedsCalibration,

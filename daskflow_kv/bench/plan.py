@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cost_model import (
+from ..policy.cost_model import (
     LinkProfile,
     PrefillProfile,
     crossover_bandwidth,

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..blocks import common_prefix_len
-from ..prompts import prompt_tokens
-from ..workflow import Workflow
+from ..state.blocks import common_prefix_len
+from ..flow.prompts import prompt_tokens
+from ..flow.workflow import Workflow
 
 MAX_AGENTS = 16
 QUESTIONS = [

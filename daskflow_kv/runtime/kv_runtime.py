@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import dask
 from distributed import Client, Future, wait
 
-from ..text_codec import TextCodec
-from .. import compat
-from ..blocks import (
+from ..model.text_codec import TextCodec
+from ..state import compat
+from ..state.blocks import (
     DEFAULT_BLOCK_SIZE,
     BlockRef,
     aligned_floor,
@@ -33,12 +33,12 @@ from ..blocks import (
     common_prefix_len,
     split_spans,
 )
-from ..cost_model import Decision, NeedsCalibration, explain
+from ..policy.cost_model import Decision, NeedsCalibration, explain
 from ..errors import MergeError, StateReleasedError
-from ..kv_state import KVState, LineageEvent, new_state_id
-from ..sampling import GREEDY, SamplingParams
+from ..state.kv_state import KVState, LineageEvent, new_state_id
+from ..model.sampling import GREEDY, SamplingParams
 from . import tasks
-from .planner import ClusterView, Placement, plan_placements, read_blocks
+from ..policy.placement import ClusterView, Placement, plan_placements, read_blocks
 from .serialization import TorchSerializationPlugin
 
 
@@ -113,7 +113,7 @@ class KVRuntime(TextCodec):
         kv_budget_bytes: int | None = None,
         memory_weight: float = 0.0,
     ):
-        from ..models.loader import load_tokenizer
+        from ..model.zoo.loader import load_tokenizer
         from ..plugins.kv_dashboard import KVDashboardPlugin
         from ..plugins.kv_scheduler import KVSchedulerPlugin
 
@@ -496,7 +496,7 @@ class KVRuntime(TextCodec):
 
     def catalog(self):
         """The plugin's catalog as a pyarrow Table, one row per (state, block)."""
-        from .catalog import rows_to_arrow
+        from ..state.catalog import rows_to_arrow
 
         return rows_to_arrow(self._rpc("kv_catalog"))
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from dask.sizeof import sizeof
 
-from ..model_runner import ModelRunner
-from ..sampling import GREEDY, SamplingParams
+from ..model.runner import ModelRunner
+from ..model.sampling import GREEDY, SamplingParams
 from .serialization import register_torch_serialization, sizeof_torch_tensor
 
 register_torch_serialization()  # workers unpickle this module before any block arrives
@@ -132,7 +132,7 @@ def _default_device(spec: ModelSpec) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _runner(spec: ModelSpec) -> ModelRunner:
-    from ..models.loader import load_model
+    from ..model.zoo.loader import load_model
 
     lm = load_model(spec.model, dtype=spec.dtype, device=_default_device(spec))
     return ModelRunner(lm.model, lm.tokenizer, lm.model_id, spec.block_size, spec.namespace)
@@ -213,7 +213,7 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
     Branch j samples from stream ``requests[j].stream``, as ``prefill`` would, so its tokens
     are those of a single resume. One timing event covers the whole batch.
     """
-    from ..batched import resume_batch
+    from ..model.batched import resume_batch
 
     runner = get_runner(spec)
     reqs = breq.requests

@@ -8,10 +8,10 @@ states diverge after their shared prefix and cannot be concatenated.
 
 from __future__ import annotations
 
-from daskflow_kv.retrieval import BM25, load_corpus
-from daskflow_kv.workflow import Workflow
+from daskflow_kv.flow.retrieval import BM25
+from daskflow_kv.flow.workflow import Workflow
 
-from .common import corpus_document
+from .common import corpus, corpus_document
 
 TASK = "Design the cache policy of a multi-agent serving system that runs on a Dask cluster."
 PARTS = ["placement of shared state", "transfer versus recompute", "eviction under a memory budget", "recovery from a lost worker"]
@@ -21,7 +21,7 @@ def build(agents: int = 3, context_tokens: int = 256, max_new_tokens: int = 24, 
     wf = Workflow("planner_solvers", system="You are part of a planning team. Be specific and brief.")
     wf.context("task", TASK + "\n" + corpus_document(context_tokens, tokenizer, start=4), title="Task")
     wf.agent("planner", f"Split the task into {agents} parts, one line each.", reads=["task"], max_new_tokens=max_new_tokens)
-    passages = BM25(load_corpus()).search(TASK + " " + " ".join(PARTS[:agents]), k=4)
+    passages = BM25(list(corpus())).search(TASK + " " + " ".join(PARTS[:agents]), k=4)
     wf.context("retrieved", "\n".join(f"[{p.title}] {p.text}" for p in passages), title="Retrieved passages")
     solvers = []
     for i in range(agents):

@@ -85,7 +85,7 @@ class KVApiHandler(_KVHandler):
 
 def catalog_table(scheduler):
     """The KV catalog of ``scheduler`` as a pyarrow Table (empty, with the schema, when none)."""
-    from daskflow_kv.runtime.catalog import rows_to_arrow
+    from daskflow_kv.state.catalog import rows_to_arrow
 
     plugin = kv_plugin(scheduler)
     if plugin is not None and hasattr(plugin, "catalog_table"):

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .errors import DaskflowKVError
+from ..errors import DaskflowKVError
 
 DEFAULT_LATENCY = 0.014  # s per dependent fetch between two Dask workers (measured, loopback TCP)
 REFERENCE_TOKENS = 512  # prompt size at which a profile's tokens/s is quoted

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .blocks import common_prefix_len
-from .errors import ContextTooLongError, WorkflowError
+from ..state.blocks import common_prefix_len
+from ..errors import ContextTooLongError, WorkflowError
 from .prompts import prompt_tokens
-from .workflow import Workflow
+from .spec import WorkflowSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ class StateNode:
 
 @dataclass(slots=True)
 class CompiledWorkflow:
-    workflow: Workflow
+    workflow: WorkflowSpec
     levels: list[list[str]]  # agents by topological level
     data_edges: list[tuple[str, str]]  # (source context/agent, reader agent)
     state_nodes: list[StateNode] = field(default_factory=list)
@@ -85,7 +85,7 @@ class CompiledWorkflow:
         return "\n".join(lines)
 
 
-def _levels(wf: Workflow) -> list[list[str]]:
+def _levels(wf: WorkflowSpec) -> list[list[str]]:
     for agent in wf.agents.values():
         if agent.follows is not None and agent.follows not in wf.agents:
             raise WorkflowError(f"agent {agent.name!r} follows {agent.follows!r}, which is not an agent")
@@ -118,12 +118,12 @@ def _levels(wf: Workflow) -> list[list[str]]:
     return out
 
 
-def _upstream(wf: Workflow, name: str) -> list[str]:
+def _upstream(wf: WorkflowSpec, name: str) -> list[str]:
     agent = wf.agents[name]
     return [s for s in agent.reads if s in wf.agents] + ([agent.follows] if agent.follows else [])
 
 
-def _ancestors(wf: Workflow, name: str) -> set[str]:
+def _ancestors(wf: WorkflowSpec, name: str) -> set[str]:
     seen, todo = set(), [name]
     while todo:
         for src in _upstream(wf, todo.pop()):
@@ -133,7 +133,7 @@ def _ancestors(wf: Workflow, name: str) -> set[str]:
     return seen
 
 
-def _outputs_in_prompt(wf: Workflow, name: str) -> set[str]:
+def _outputs_in_prompt(wf: WorkflowSpec, name: str) -> set[str]:
     """Agents whose outputs an agent's prompt contains (its reads, and its follows chain's)."""
     agent = wf.agents[name]
     out = {r for r in agent.reads if r in wf.agents}
@@ -142,7 +142,7 @@ def _outputs_in_prompt(wf: Workflow, name: str) -> set[str]:
     return out
 
 
-def _check_merges(wf: Workflow) -> None:
+def _check_merges(wf: WorkflowSpec) -> None:
     """concat merges only along one chain: each read agent must descend from the previous."""
     for agent in wf.agents.values():
         ups = [r for r in agent.reads if r in wf.agents]
@@ -156,7 +156,7 @@ def _check_merges(wf: Workflow) -> None:
                 )
 
 
-def compile_workflow(wf: Workflow, tokenizer, max_positions: int, block_size: int = 64) -> CompiledWorkflow:
+def compile_workflow(wf: WorkflowSpec, tokenizer, max_positions: int, block_size: int = 64) -> CompiledWorkflow:
     if not wf.agents:
         raise WorkflowError(f"workflow {wf.name!r} has no agents")
     levels = _levels(wf)

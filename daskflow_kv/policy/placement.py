@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..cost_model import Decision, LinkProfile, NeedsCalibration, PrefillProfile, decide
+from .cost_model import Decision, LinkProfile, NeedsCalibration, PrefillProfile, decide
 
 POLICIES = ("auto", "transfer", "recompute", "pin")
 

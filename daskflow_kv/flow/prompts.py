@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .workflow import Agent, Workflow
+from .spec import Agent, WorkflowSpec
 
 
-def render_body(wf: Workflow, agent: Agent, outputs: Mapping[str, str]) -> str:
+def render_body(wf: WorkflowSpec, agent: Agent, outputs: Mapping[str, str]) -> str:
     parts = []
     for name in agent.reads:
         if name in wf.contexts:
@@ -34,7 +34,7 @@ def render_body(wf: Workflow, agent: Agent, outputs: Mapping[str, str]) -> str:
     return "\n\n".join(parts)
 
 
-def messages(wf: Workflow, agent: Agent, outputs: Mapping[str, str]) -> list[dict]:
+def messages(wf: WorkflowSpec, agent: Agent, outputs: Mapping[str, str]) -> list[dict]:
     if agent.follows:
         msgs = messages(wf, wf.agents[agent.follows], outputs)
         msgs.append({"role": "assistant", "content": outputs[agent.follows]})
@@ -44,7 +44,7 @@ def messages(wf: Workflow, agent: Agent, outputs: Mapping[str, str]) -> list[dic
     return msgs
 
 
-def render_prompt(wf: Workflow, agent: Agent, outputs: Mapping[str, str], tokenizer) -> str:
+def render_prompt(wf: WorkflowSpec, agent: Agent, outputs: Mapping[str, str], tokenizer) -> str:
     msgs = messages(wf, agent, outputs)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -54,6 +54,6 @@ def render_prompt(wf: Workflow, agent: Agent, outputs: Mapping[str, str], tokeni
     return text
 
 
-def prompt_tokens(wf: Workflow, agent: Agent, outputs: Mapping[str, str], tokenizer) -> list[int]:
+def prompt_tokens(wf: WorkflowSpec, agent: Agent, outputs: Mapping[str, str], tokenizer) -> list[int]:
     text = render_prompt(wf, agent, outputs, tokenizer)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from daskflow_kv.retrieval import load_corpus
+from functools import lru_cache
+from pathlib import Path
+
+from daskflow_kv.flow.retrieval import Passage, load_corpus
+
+CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.jsonl"
+
+
+@lru_cache(maxsize=1)
+def corpus() -> tuple[Passage, ...]:
+    """The passages shipped with the example workflows."""
+    return tuple(load_corpus(CORPUS_PATH))
 
 
 def corpus_document(approx_tokens: int, tokenizer=None, start: int = 0) -> str:
     """Passages of the corpus, in order from ``start``, until about ``approx_tokens`` tokens."""
-    passages = load_corpus()
+    passages = corpus()
     parts, used, i = [], 0, start
     while used < approx_tokens:
         p = passages[i % len(passages)]

@@ -1,4 +1,4 @@
-"""Describe a multi-agent workflow: shared contexts, agents, and who reads what.
+"""A multi-agent workflow as data: shared contexts, agents, and who reads what.
 
 Reads like LangGraph/AutoGen: add contexts (documents, retrieved passages) and agents
 (role, instructions, generation settings); an agent ``reads`` contexts and other agents,
@@ -12,14 +12,17 @@ compiler finds which prompts share token prefixes and decides how state moves.
     j = wf.agent("judge", "Weigh both views.", reads=[doc, a, b], merge="text")
     wf.agent("editor", "Shorten the verdict.", follows=j)  # a new turn of j's conversation
     result = wf.run(mode="both")
+
+``WorkflowSpec`` is the description alone; ``flow.workflow.Workflow`` adds ``compile`` and
+``run``, so the compiler and executor depend on the description and never on the API.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import WorkflowError
-from .sampling import GREEDY, SamplingParams
+from ..errors import WorkflowError
+from ..model.sampling import GREEDY, SamplingParams
 
 STATE_POLICIES = ("auto", "transfer", "alias", "fork", "recompute", "pin", "evict")
 
@@ -45,7 +48,7 @@ class Agent:
 
 
 @dataclass(slots=True)
-class Workflow:
+class WorkflowSpec:
     name: str
     system: str = "You are a helpful assistant."
     contexts: dict[str, Context] = field(default_factory=dict)
@@ -83,15 +86,3 @@ class Workflow:
     def _new_name(self, name: str) -> None:
         if not name or name in self.contexts or name in self.agents:
             raise WorkflowError(f"name {name!r} is empty or already used in workflow {self.name!r}")
-
-    # -- running ------------------------------------------------------------------------------
-    def compile(self, tokenizer, max_positions: int, block_size: int = 64):
-        from .compiler import compile_workflow
-
-        return compile_workflow(self, tokenizer, max_positions, block_size)
-
-    def run(self, mode: str = "state", runtime=None, **runtime_kwargs):
-        """Run on ``runtime`` (a KVRuntime), or on an embedded local cluster."""
-        from .executor import run_workflow
-
-        return run_workflow(self, mode=mode, runtime=runtime, **runtime_kwargs)

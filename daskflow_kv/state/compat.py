@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .blocks import common_prefix_len
-from .errors import ContextTooLongError, IncompatibleStateError, MergeError
+from ..errors import ContextTooLongError, IncompatibleStateError, MergeError
 from .fingerprint import Fingerprint
 from .kv_state import KVState
 

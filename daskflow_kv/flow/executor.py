@@ -14,9 +14,9 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
-from .compiler import CompiledWorkflow, add_level_nodes, group_by_prefix
+from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
 from .prompts import prompt_tokens
-from .workflow import Workflow
+from .spec import WorkflowSpec
 
 _RUNTIME_POLICY = {"auto": "auto", "fork": "auto", "evict": "auto", "alias": "pin", "pin": "pin",
                    "transfer": "transfer", "recompute": "recompute"}
@@ -177,20 +177,20 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     return result
 
 
-def run_workflow(wf: Workflow, mode: str = "state", runtime=None, **runtime_kwargs):
+def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, **runtime_kwargs):
     """Compile ``wf`` and run it; ``mode`` is state, text or both (returns a Comparison)."""
     if mode not in ("state", "text", "both"):
         raise ValueError(f"mode must be state, text or both, not {mode!r}")
     with ExitStack() as stack:
         if runtime is None:
-            from .runtime.cluster import embedded_runtime
+            from ..runtime.cluster import embedded_runtime
 
             runtime = stack.enter_context(embedded_runtime(**runtime_kwargs))
-        cw = wf.compile(runtime.tokenizer, runtime.facts.max_positions, runtime.block_size)
+        cw = compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size)
         if mode == "text":
             return run_text_mode(cw, runtime)
         state = run_state_mode(cw, runtime)
         if mode == "state":
             return state
-        text = run_text_mode(wf.compile(runtime.tokenizer, runtime.facts.max_positions, runtime.block_size), runtime)
+        text = run_text_mode(compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size), runtime)
         return Comparison(state, text)

@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from .errors import StateReleasedError
+from ..errors import StateReleasedError
 from .kv_state import KVState
 
 

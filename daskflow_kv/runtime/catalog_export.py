@@ -1,9 +1,9 @@
 """Export the KV catalog as Parquet or Arrow IPC, from Python or from the command line.
 
 The catalog is the scheduler plugin's table of (state, block) rows: token ranges, bytes,
-workers, refcounts, lifecycle status, lineage (``daskflow_kv.runtime.catalog.ARROW_COLUMNS``).
+workers, refcounts, lifecycle status, lineage (``daskflow_kv.state.catalog.ARROW_COLUMNS``).
 
-    from daskflow_kv.catalog_export import export_catalog, catalog_table
+    from daskflow_kv.runtime.catalog_export import export_catalog, catalog_table
     export_catalog(rt, "kv.parquet")                  # a KVRuntime, a Client or an address
     table = catalog_table("tcp://scheduler:8786")     # a pyarrow.Table
 
@@ -49,7 +49,7 @@ def catalog_table(source):
     """
     import pyarrow as pa
 
-    from .runtime.catalog import rows_to_arrow
+    from ..state.catalog import rows_to_arrow
 
     if isinstance(source, pa.Table):
         return source
@@ -141,7 +141,7 @@ def cmd_catalog(args) -> int:
 
 
 def main(argv=None) -> int:
-    """``python -m daskflow_kv.catalog_export --scheduler ADDR --out kv.parquet``."""
+    """``python -m daskflow_kv.runtime.catalog_export --scheduler ADDR --out kv.parquet``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="daskflow-kv")

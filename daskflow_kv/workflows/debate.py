@@ -7,7 +7,7 @@ the new messages only, never re-prefilled from the start.
 
 from __future__ import annotations
 
-from daskflow_kv.workflow import Workflow
+from daskflow_kv.flow.workflow import Workflow
 
 from .common import corpus_document
 

@@ -56,11 +56,7 @@ class BM25:
         return [self.passages[i] for s, i in scored[:k] if s > 0]
 
 
-def load_corpus(path: str | Path | None = None) -> list[Passage]:
-    """The corpus shipped with the workflows (JSON lines: id, title, text)."""
-    if path is None:
-        path = Path(__file__).resolve().parent / "workflows" / "data" / "corpus.jsonl"
-        if not path.exists():  # running from a source checkout without an install
-            path = Path(__file__).resolve().parent.parent / "workflows" / "data" / "corpus.jsonl"
+def load_corpus(path: str | Path) -> list[Passage]:
+    """A corpus of JSON lines (id, title, text); the example workflows ship one."""
     with open(path) as f:
         return [Passage(**json.loads(line)) for line in f if line.strip()]

@@ -8,7 +8,7 @@ text-level merge of divergent branches).
 
 from __future__ import annotations
 
-from daskflow_kv.workflow import Workflow
+from daskflow_kv.flow.workflow import Workflow
 
 from .common import corpus_document
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..blocks import BlockRef
-from ..prefix_index import PrefixIndex, PrefixMatch
+from .blocks import BlockRef
+from .prefix_index import PrefixIndex, PrefixMatch
 
 BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from .blocks import DEFAULT_BLOCK_SIZE, aligned_floor, split_spans
+from ..state.blocks import DEFAULT_BLOCK_SIZE, aligned_floor, split_spans
 from .cache_layer import growable_cache
-from .fingerprint import Fingerprint, fingerprint_model
+from ..state.fingerprint import Fingerprint, fingerprint_model
 from .sampling import GREEDY, SamplingParams, choose
 
 

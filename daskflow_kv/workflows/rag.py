@@ -6,8 +6,10 @@ so they are prefilled once and forked to the readers; a synthesizer merges the a
 
 from __future__ import annotations
 
-from daskflow_kv.retrieval import BM25, load_corpus
-from daskflow_kv.workflow import Workflow
+from daskflow_kv.flow.retrieval import BM25
+from daskflow_kv.flow.workflow import Workflow
+
+from .common import corpus
 
 QUESTION = "When should a cached prefix be transferred between workers instead of recomputed?"
 ASPECTS = ["the cost of moving data", "the speed of prefill", "memory pressure and eviction", "failures and lineage"]
@@ -16,7 +18,7 @@ ASPECTS = ["the cost of moving data", "the speed of prefill", "memory pressure a
 def build(agents: int = 3, context_tokens: int = 384, question: str = QUESTION, max_new_tokens: int = 24,
           tokenizer=None) -> Workflow:
     """Readers share the best BM25 passages, as many as fit in about ``context_tokens``."""
-    ranked = BM25(load_corpus()).search(question, k=12)
+    ranked = BM25(list(corpus())).search(question, k=12)
     passages, used = [], 0
     for p in ranked:
         n = len(tokenizer(p.text)["input_ids"]) if tokenizer else len(p.text) // 4

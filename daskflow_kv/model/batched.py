@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat
+from ..state.blocks import aligned_floor, split_spans
 from .batched_cache import CTX_KW, SharedPrefixCache, register_batched_attention
-from .blocks import aligned_floor, split_spans
-from .model_runner import ModelRunner, RunMetrics, RunOutput
+from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
 
 _TWINS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
@@ -245,60 +244,4 @@ def _export(cache: SharedPrefixCache, b: int, start: int, end: int, block_size: 
     for s, e in split_spans(start, end, block_size):
         layers = [torch.stack(cache.branch_kv(layer, b, s, e)) for layer in range(len(cache.pool))]
         out.append((s, e, torch.stack(layers).contiguous()))
-    return out
-
-
-class ForkGenerations(list):
-    """The ``Generation`` of every branch, in order, plus the batch's ``stats``."""
-
-    stats: BatchStats | None = None
-
-
-def resume_forks(
-    engine,
-    state,
-    suffixes: Sequence[Sequence[int] | str],
-    max_new_tokens: int | Sequence[int] = 32,
-    sampling: SamplingParams = GREEDY,
-    streams: Sequence[int] | None = None,
-    return_logits: bool = False,
-    **batch_kw,
-):
-    """``Engine.resume(state, suffixes[i], stream=streams[i])`` for every i, as one batch.
-
-    Returns one ``Generation`` per branch with its published continuation state, exactly as
-    k separate resumes would (the prefix is read from ``state``'s blocks once), as a list
-    whose ``stats`` attribute holds the batch's ``BatchStats``.
-    """
-    from .engine import Generation
-
-    engine._check(state)
-    suffixes = [engine.encode(s) if isinstance(s, str) else list(s) for s in suffixes]
-    k = len(suffixes)
-    limits = [max_new_tokens] * k if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != k:
-        raise ValueError(f"{k} suffixes but {len(limits)} token limits")
-    for suf, m in zip(suffixes, limits):
-        if m < 1:
-            raise ValueError("resume generates at least one token; use extend to only prefill")
-        compat.check_tokens(list(state.tokens) + suf, engine.runner.vocab_size)
-        compat.check_positions(state.length, len(suf), m, engine.runner.max_positions)
-    # Decoding needs the last fed token's logits: a branch with no suffix re-feeds the
-    # state's last token (as Engine.resume does), so then every branch shares one less token.
-    prefix = state.length if all(suffixes) else state.length - 1
-    feeds = [list(state.tokens[prefix:]) + suf for suf in suffixes]
-    blocks = [engine.store.get(b.key) for b in state.blocks if b.start < prefix]
-    batch = resume_batch(engine.runner, blocks, prefix, feeds, limits, sampling, streams, return_logits, **batch_kw)
-    kept = [b for b in state.blocks if b.end <= aligned_floor(prefix, engine.block_size)]
-    out = ForkGenerations()
-    out.stats = batch.stats
-    for feed, run in zip(feeds, batch):
-        tokens = list(state.tokens[:prefix]) + feed + run.generated[:-1]
-        new = engine._publish(
-            tokens, kept, run.new_blocks, "resume", (state,), tokens_reused=prefix, tokens_computed=len(feed), batched=k
-        )
-        engine._states[new.state_id] = new
-        out.append(
-            Generation(run.generated, engine.decode(run.generated), run.logits, run.metrics, new, new.own_blocks(state))
-        )
     return out

@@ -43,9 +43,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.scheduler import ClientState
 from tornado.ioloop import PeriodicCallback
 
-from daskflow_kv.cost_model import PrefillSample, fit_prefill_profile
-from daskflow_kv.eviction import BlockUsage, choose_victims
-from daskflow_kv.runtime.catalog import KVCatalog, rows_to_arrow
+from daskflow_kv.policy.cost_model import PrefillSample, fit_prefill_profile
+from daskflow_kv.policy.eviction import BlockUsage, choose_victims
+from daskflow_kv.state.catalog import KVCatalog, rows_to_arrow
 
 logger = logging.getLogger("daskflow_kv.scheduler")
 

@@ -1,1 +1,0 @@
-"""Dask plugins of daskflow-kv, installed as ``daskflow_kv.plugins``."""
