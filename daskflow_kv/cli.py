@@ -157,10 +157,16 @@ def cmd_explain(args) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, model_default: str) -> None:
-    p.add_argument("--model", default=model_default, help="tiny-llama | tiny-qwen2 | smollm2 | a path or hub id")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (one Dask key each)")
+def _common(p: argparse.ArgumentParser, model_key: str) -> None:
+    """Options every command shares; defaults come from dask.config["daskflow-kv"]."""
+    from . import config
+
+    p.add_argument("--model", default=None,
+                   help=f"tiny-llama | tiny-qwen2 | smollm2 | a path or hub id (default: {config.get(model_key)})")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help=f"(default: {config.get('dtype')})")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block, one Dask key each (default: {config.get('block-size')})")
     p.add_argument("--context-tokens", type=int, default=512, help="approximate size of the shared context")
     p.add_argument("--agents", type=int, default=0, help="agents / branch factor (workflow default if 0)")
     p.add_argument("--rounds", type=int, default=0, help="debate rounds")
@@ -171,10 +177,22 @@ def _common(p: argparse.ArgumentParser, model_default: str) -> None:
 def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="both", choices=["state", "text", "both"])
     p.add_argument("--scheduler", default=None, help="address of an existing Dask scheduler")
-    p.add_argument("--workers", type=int, default=2, help="workers of the embedded local cluster")
+    p.add_argument("--workers", type=int, default=None, help="workers of the embedded local cluster (default: 2)")
     p.add_argument("--kv-budget", default=None, help="per-worker KV byte budget, e.g. 512MiB")
     p.add_argument("--json", default=None, help="write per-agent metrics and agreement here")
     p.add_argument("--explain", action="store_true", help="print G_s and the cost model's decisions")
+
+
+def _resolve_config(args) -> None:
+    """Flags left unset take their value from dask.config["daskflow-kv"]."""
+    from . import config
+
+    if hasattr(args, "model"):
+        args.model = config.get("demo-model" if args.command == "demo" else "model", args.model)
+        args.dtype = config.get("dtype", args.dtype)
+        args.block_size = config.get("block-size", args.block_size)
+    if hasattr(args, "workers"):
+        args.workers = config.get("cluster.workers", args.workers)
 
 
 def main(argv=None) -> int:
@@ -193,19 +211,20 @@ def main(argv=None) -> int:
     sub.add_parser("bench", add_help=False, help="benchmark every system and experiment in one run (bench --help)")
     sub.add_parser("plan", add_help=False, help="MODELED transfer vs recompute per context length (plan --help)")
     demo = sub.add_parser("demo", help="the main job: a RAG workflow on SmolLM2, state vs text mode")
-    _common(demo, "smollm2")
+    _common(demo, "demo-model")
     _run_options(demo)
     run = sub.add_parser("run", help="run a workflow: tot | debate | rag | planner")
     run.add_argument("workflow")
-    _common(run, "tiny-llama")
+    _common(run, "model")
     _run_options(run)
     exp = sub.add_parser("explain", help="print a workflow's stateful graph G_s")
     exp.add_argument("workflow")
-    _common(exp, "tiny-llama")
+    _common(exp, "model")
     from .runtime.catalog_export import add_catalog_subcommand
 
     add_catalog_subcommand(sub)
     args = parser.parse_args(argv)
+    _resolve_config(args)
     if args.command == "demo":
         args.explain = True
         return cmd_run(args, "rag")

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from . import config
 from .errors import MergeError
 from .model.batched import BatchStats, resume_batch
 from .model.runner import ModelRunner, RunMetrics
@@ -20,7 +21,7 @@ from .model.sampling import GREEDY, SamplingParams
 from .model.text_codec import TextCodec
 from .state import compat
 from .state.block_store import BlockStore
-from .state.blocks import DEFAULT_BLOCK_SIZE, BlockRef, aligned_floor, block_key, common_prefix_len
+from .state.blocks import BlockRef, aligned_floor, block_key, common_prefix_len
 from .state.kv_state import KVState, LineageEvent, new_state_id
 from .state.prefix_index import PrefixIndex
 
@@ -44,17 +45,17 @@ class ForkGenerations(list):
 class Engine(TextCodec):
     def __init__(
         self,
-        model: str = "tiny-llama",
-        dtype: str | torch.dtype = "float32",
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        namespace: str = "",
+        model: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        block_size: int | None = None,
+        namespace: str | None = None,
         device: str = "cpu",
         runner: ModelRunner | None = None,
     ):
         if runner is None:
             from .model.zoo.loader import load_model
 
-            lm = load_model(model, dtype=dtype, device=device)
+            lm = load_model(config.get("model", model), dtype=config.get("dtype", dtype), device=device)
             runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
         self.runner = runner
         self.store = BlockStore()

@@ -131,7 +131,9 @@ def test_slurm_cluster_preloads_the_plugin_on_its_scheduler():
 
 
 def test_cuda_cluster_says_what_is_missing():
-    has_cuda_stack = kvc.gpu_count() > 0 and shutil.which("nvidia-smi") is not None
+    from daskflow_kv.runtime.cuda import gpu_count
+
+    has_cuda_stack = gpu_count() > 0 and shutil.which("nvidia-smi") is not None
     try:
         import dask_cuda  # noqa: F401
     except ImportError:

@@ -57,18 +57,21 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(path: Path) -> list[str]:
-    """Absolute names of everything ``path`` imports (``from x import y`` -> x.y and x)."""
+def _imports(path: Path) -> list[list[str]]:
+    """What ``path`` imports: one list of candidate names per imported thing.
+
+    ``from x import y`` gives ``[x.y, x]``: y if it is a module, else x (y is a name in x).
+    """
     mod = _module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    out: list[str] = []
+    out: list[list[str]] = []
 
     def visit(node):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child):
                 continue
             if isinstance(child, ast.Import):
-                out.extend(a.name for a in child.names)
+                out.extend([a.name] for a in child.names)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = package.split(".")
@@ -76,8 +79,7 @@ def _imports(path: Path) -> list[str]:
                     src = ".".join(base + ([child.module] if child.module else []))
                 else:
                     src = child.module or ""
-                out.append(src)
-                out.extend(f"{src}.{a.name}" for a in child.names)
+                out.extend([f"{src}.{a.name}", src] for a in child.names)
             visit(child)
 
     visit(ast.parse(path.read_text(), str(path)))
@@ -89,13 +91,16 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for mod, path in files.items():
         deps = set()
-        for name in _imports(path):
-            # the longest prefix of ``name`` that is one of our modules
-            parts = name.split(".")
-            while parts and ".".join(parts) not in files:
-                parts.pop()
-            if parts and ".".join(parts) != mod:
-                deps.add(".".join(parts))
+        for candidates in _imports(path):
+            # the first candidate that is one of our modules, or the longest module prefix of the last
+            hit = next((c for c in candidates if c in files), None)
+            if hit is None:
+                parts = candidates[-1].split(".")
+                while parts and ".".join(parts) not in files:
+                    parts.pop()
+                hit = ".".join(parts) if parts else None
+            if hit and hit != mod:
+                deps.add(hit)
         graph[mod] = deps
     return graph
 
@@ -158,9 +163,9 @@ def test_light_parts_avoid_heavy_packages():
     for path in PKG.rglob("*.py"):
         mod = _module_name(path)
         banned = FORBIDDEN_THIRD_PARTY.get(_part(mod), set())
-        for name in _imports(path):
-            if name.split(".")[0] in banned:
-                bad.append(f"{mod} imports {name}")
+        for candidates in _imports(path):
+            if candidates[-1].split(".")[0] in banned:
+                bad.append(f"{mod} imports {candidates[-1]}")
     assert bad == []
 
 

@@ -156,7 +156,7 @@ def _check_merges(wf: WorkflowSpec) -> None:
                 )
 
 
-def compile_workflow(wf: WorkflowSpec, tokenizer, max_positions: int, block_size: int = 64) -> CompiledWorkflow:
+def compile_workflow(wf: WorkflowSpec, tokenizer, max_positions: int, block_size: int) -> CompiledWorkflow:
     if not wf.agents:
         raise WorkflowError(f"workflow {wf.name!r} has no agents")
     levels = _levels(wf)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import config
 from .compiler import CompiledWorkflow, compile_workflow
 from .executor import run_workflow
 from .spec import Agent, Context, WorkflowSpec
@@ -18,8 +19,8 @@ __all__ = ["Agent", "Context", "Workflow"]
 @dataclass(slots=True)
 class Workflow(WorkflowSpec):
     # -- running ------------------------------------------------------------------------------
-    def compile(self, tokenizer, max_positions: int, block_size: int = 64) -> CompiledWorkflow:
-        return compile_workflow(self, tokenizer, max_positions, block_size)
+    def compile(self, tokenizer, max_positions: int, block_size: int | None = None) -> CompiledWorkflow:
+        return compile_workflow(self, tokenizer, max_positions, config.get("block-size", block_size))
 
     def run(self, mode: str = "state", runtime=None, **runtime_kwargs):
         """Run on ``runtime`` (a KVRuntime), or on an embedded local cluster."""

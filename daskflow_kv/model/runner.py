@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from ..state.blocks import DEFAULT_BLOCK_SIZE, aligned_floor, split_spans
+from .. import config
+from ..state.blocks import aligned_floor, split_spans
 from .cache_layer import growable_cache
 from ..state.fingerprint import Fingerprint, fingerprint_model
 from .sampling import GREEDY, SamplingParams, choose
@@ -52,7 +53,7 @@ class RunOutput:
 class ModelRunner:
     """One loaded model plus what a KV state must agree with to be used by it."""
 
-    def __init__(self, model, tokenizer, model_id: str, block_size: int = DEFAULT_BLOCK_SIZE, namespace: str = ""):
+    def __init__(self, model, tokenizer, model_id: str, block_size: int | None = None, namespace: str | None = None):
         if "cache" not in inspect.signature(model.forward).parameters:
             # Older transformers take past_key_values and would silently drop `cache=`: the
             # resumed prefix would be ignored and outputs wrong. Refuse instead.
@@ -63,8 +64,8 @@ class ModelRunner:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.model = model
         self.tokenizer = tokenizer
-        self.block_size = block_size
-        self.fingerprint: Fingerprint = fingerprint_model(model, tokenizer, model_id, namespace)
+        self.block_size = config.get("block-size", block_size)
+        self.fingerprint: Fingerprint = fingerprint_model(model, tokenizer, model_id, config.get("namespace", namespace))
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -43,6 +43,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.scheduler import ClientState
 from tornado.ioloop import PeriodicCallback
 
+from daskflow_kv import config
 from daskflow_kv.policy.cost_model import PrefillSample, fit_prefill_profile
 from daskflow_kv.policy.eviction import BlockUsage, choose_victims
 from daskflow_kv.state.catalog import KVCatalog, rows_to_arrow
@@ -55,7 +56,6 @@ PREFILL_TOPIC = "daskflow-kv-prefill"  # timings reported by workers (see runtim
 PLUGIN_NAME = "daskflow-kv"
 BLOCK_PREFIX = "kvblock-"  # every content-addressed block key starts with it
 KV_TASK_PREFIXES = ("kvprefill-", BLOCK_PREFIX, "kvresult-", "kvreplica-")  # tasks placed by the plan
-_MAX_SAMPLES = 64  # prefill samples kept per worker for the profile fit
 _NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
 
 
@@ -81,17 +81,19 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     def __init__(
         self,
-        kv_budget_bytes: int | None = None,
-        memory_weight: float = 0.0,
-        evict_interval: float = 0.2,
-        lease_seconds: float = 2.0,
+        kv_budget_bytes: int | str | None = None,
+        memory_weight: float | None = None,
+        evict_interval: float | str | None = None,
+        lease_seconds: float | str | None = None,
     ):
-        self.kv_budget_bytes = kv_budget_bytes  # per worker; None = unbounded
-        self.memory_weight = memory_weight  # lambda: seconds charged per byte placed on a worker
-        self.evict_interval = evict_interval  # seconds between budget checks
-        self.lease_seconds = lease_seconds  # a looked-up block is not evicted for this long
+        # None takes the value from dask.config["daskflow-kv"] (see daskflow-kv.yaml).
+        self.kv_budget_bytes = config.get_bytes("kv-budget", kv_budget_bytes)  # per worker; None = unbounded
+        self.memory_weight = config.get("memory-weight", memory_weight)  # lambda: s charged per byte placed
+        self.evict_interval = config.get_seconds("scheduler.evict-interval", evict_interval)  # between checks
+        self.lease_seconds = config.get_seconds("scheduler.lease", lease_seconds)  # looked-up block kept this long
+        max_samples = config.get("scheduler.prefill-samples")  # per worker, for the profile fit
         self.catalog = KVCatalog()
-        self.samples: dict[str, deque] = defaultdict(lambda: deque(maxlen=_MAX_SAMPLES))
+        self.samples: dict[str, deque] = defaultdict(lambda: deque(maxlen=max_samples))
         self.probed_bandwidth: dict[tuple[str, str], float] = {}  # (src, dst) -> bytes/s
         self.decisions: deque = deque(maxlen=256)  # recent cost-model decisions, newest last
         self.events: deque = deque(maxlen=1024)  # recent lifecycle events
@@ -504,13 +506,11 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
 
 @click.command()
-@click.option("--kv-budget", default=None, envvar="DASKFLOW_KV_BUDGET", help="per-worker KV bytes, e.g. 2GiB")
-@click.option("--kv-memory-weight", default=0.0, type=float, help="seconds charged per KV byte placed")
-async def dask_setup(scheduler, kv_budget: str | None = None, kv_memory_weight: float = 0.0) -> None:
+@click.option("--kv-budget", default=None, help="per-worker KV bytes, e.g. 2GiB (default: daskflow-kv.kv-budget)")
+@click.option("--kv-memory-weight", default=None, type=float, help="seconds charged per KV byte placed")
+async def dask_setup(scheduler, kv_budget: str | None = None, kv_memory_weight: float | None = None) -> None:
     """Entry point for ``dask scheduler --preload daskflow_kv.plugins.kv_scheduler``."""
-    from dask.utils import parse_bytes
-
-    budget = parse_bytes(kv_budget) if kv_budget else None
     await scheduler.register_scheduler_plugin(
-        KVSchedulerPlugin(kv_budget_bytes=budget, memory_weight=kv_memory_weight), name=PLUGIN_NAME, idempotent=True
+        KVSchedulerPlugin(kv_budget_bytes=kv_budget, memory_weight=kv_memory_weight), name=PLUGIN_NAME,
+        idempotent=True,
     )

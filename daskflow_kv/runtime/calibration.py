@@ -14,6 +14,7 @@ import time
 
 from distributed import wait
 
+from .. import config
 from . import tasks
 
 
@@ -46,8 +47,10 @@ def measure_prefill(runtime, worker: str, sizes=(32, 128, 256)) -> None:
                               pure=False).result()
 
 
-def calibrate(runtime, probe_bytes: int = 32 << 20, probe_tokens: int = 256) -> dict:
+def calibrate(runtime, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
     """Measure every worker pair's bandwidth and every worker's prefill speed."""
+    probe_bytes = config.get_bytes("calibration.probe-bytes", probe_bytes)
+    probe_tokens = config.get("calibration.probe-tokens", probe_tokens)
     client = runtime.client
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     bandwidth = {}

@@ -1,5 +1,5 @@
-"""Where a KVRuntime runs: a local CPU cluster, a local CUDA cluster over UCX, an existing
-scheduler, or SLURM through dask-jobqueue.
+"""Where a KVRuntime runs: a local CPU cluster, an existing scheduler, and the shared pieces
+of every entry point (``cuda.py``: a local CUDA cluster over UCX; ``slurm.py``: SLURM).
 
 The KV plugin loads the same way everywhere: as a scheduler preload
 (``daskflow_kv.plugins.kv_scheduler``, the module ``dask scheduler --preload`` takes), and
@@ -22,99 +22,42 @@ from collections.abc import Iterator
 
 import dask
 
-SCHEDULER_PRELOAD = "daskflow_kv.plugins.kv_scheduler"
-DASHBOARD_PRELOAD = "daskflow_kv.plugins.kv_dashboard"
-WORKER_PRELOAD = "daskflow_kv.runtime.serialization"
-KV_AMM_POLICY = "daskflow_kv.plugins.kv_scheduler.KVAwareReduceReplicas"
-DEFAULT_MEMORY_LIMIT = "4GiB"  # per worker process
+from .. import config
 
-
-def kv_dask_config() -> dict:
-    """Dask config a KV cluster's scheduler must start with (AMM that keeps KV replicas)."""
-    return {"distributed.scheduler.active-memory-manager.policies": [{"class": KV_AMM_POLICY}]}
-
-
-def _preload_argv(kv_budget) -> list[str]:
-    return ["--kv-budget", str(kv_budget)] if kv_budget else []
-
-
-def scheduler_options(kv_budget=None) -> dict:
-    """Scheduler keyword arguments that load the KV plugin as a preload."""
-    # One argv list per preload, or the second preload is silently dropped.
-    return {"preload": [SCHEDULER_PRELOAD, DASHBOARD_PRELOAD], "preload_argv": [_preload_argv(kv_budget), []]}
+from .preloads import (  # noqa: F401  -- part of this module's interface
+    DASHBOARD_PRELOAD,
+    KV_AMM_POLICY,
+    SCHEDULER_PRELOAD,
+    WORKER_PRELOAD,
+    _preload_argv,
+    kv_dask_config,
+    scheduler_options,
+)
 
 
 def local_cluster(
-    n_workers: int = 2,
-    threads_per_worker: int = 1,
-    memory_limit: str | int = DEFAULT_MEMORY_LIMIT,
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    memory_limit: str | int | None = None,
     dashboard_address: str | None = ":0",
     kv_budget: str | int | None = None,
     **kwargs,
 ):
     """A LocalCluster of worker processes over TCP, KV plugin preloaded, AMM made KV-safe.
 
-    ``kv_budget``: per-worker KV bytes (e.g. "512MiB"); None leaves the cache unbounded.
-    Extra keyword arguments go to ``distributed.LocalCluster``.
+    ``kv_budget``: per-worker KV bytes (e.g. "512MiB"). Arguments left None come from
+    ``dask.config["daskflow-kv"]`` (``cluster.workers``, ``cluster.memory-limit``, ``kv-budget``,
+    ...). Extra keyword arguments go to ``distributed.LocalCluster``.
     """
     from distributed import LocalCluster
 
     with dask.config.set(kv_dask_config()):
         return LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=threads_per_worker,
+            n_workers=config.get("cluster.workers", n_workers),
+            threads_per_worker=config.get("cluster.threads-per-worker", threads_per_worker),
             processes=True,
             protocol="tcp://",
-            memory_limit=memory_limit,
-            dashboard_address=dashboard_address,
-            scheduler_kwargs=scheduler_options(kv_budget),
-            preload=[WORKER_PRELOAD],
-            **kwargs,
-        )
-
-
-def gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 -- a broken CUDA install counts as none
-        return 0
-
-
-def cuda_cluster(
-    n_workers: int | None = None,
-    protocol: str = "ucx",
-    kv_budget: str | int | None = None,
-    dashboard_address: str | None = ":0",
-    **kwargs,
-):
-    """A dask_cuda.LocalCUDACluster, one worker per GPU, UCX transport, KV plugin preloaded.
-
-    Needs the ``gpu`` extra (dask-cuda, distributed-ucxx, cupy) and at least one GPU; says
-    which is missing otherwise. ``protocol="tcp"`` runs without UCX.
-    """
-    try:
-        from dask_cuda import LocalCUDACluster
-    except ImportError as e:
-        raise RuntimeError(
-            "cuda_cluster needs dask-cuda: pip install 'daskflow-kv[gpu]' (dask-cuda, distributed-ucxx-cu12, "
-            f"cupy-cuda12x); import failed: {e}"
-        ) from e
-    gpus = gpu_count()
-    if gpus == 0:
-        raise RuntimeError("cuda_cluster needs a CUDA GPU and none is visible; use local_cluster() on CPU")
-    if protocol == "ucx":
-        try:
-            import distributed_ucxx  # noqa: F401  -- registers the "ucx" comm backend
-        except ImportError as e:
-            raise RuntimeError(
-                "protocol='ucx' needs distributed-ucxx (pip install distributed-ucxx-cu12), or pass protocol='tcp'"
-            ) from e
-    with dask.config.set(kv_dask_config()):
-        return LocalCUDACluster(
-            n_workers=n_workers or gpus,
-            protocol=protocol,
+            memory_limit=config.get("cluster.memory-limit", memory_limit),
             dashboard_address=dashboard_address,
             scheduler_kwargs=scheduler_options(kv_budget),
             preload=[WORKER_PRELOAD],
@@ -143,45 +86,6 @@ def scheduler_command(kv_budget=None, port: int = 8786) -> str:
     args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *_preload_argv(kv_budget),
             "--preload", DASHBOARD_PRELOAD]
     return " ".join(shlex.quote(a) for a in args)
-
-
-def _slurm_kwargs(kwargs: dict) -> dict:
-    kw = dict(kwargs)
-    kw.setdefault("cores", 1)
-    kw.setdefault("memory", "8GiB")
-    kw.setdefault("processes", 1)
-    kw["worker_extra_args"] = list(kw.get("worker_extra_args") or []) + ["--preload", WORKER_PRELOAD]
-    return kw
-
-
-def _require_jobqueue():
-    try:
-        import dask_jobqueue
-    except ImportError as e:
-        raise RuntimeError("SLURM support needs dask-jobqueue: pip install 'daskflow-kv[slurm]'") from e
-    return dask_jobqueue
-
-
-def slurm_cluster(kv_budget: str | int | None = None, **kwargs):
-    """A dask_jobqueue.SLURMCluster: the scheduler runs here with the KV plugin preloaded,
-    workers run in SLURM jobs with the tensor serializers preloaded.
-
-    Keyword arguments go to ``SLURMCluster`` (queue, account, cores, memory, walltime,
-    job_script_prologue, ...). Call ``.scale(n)`` to submit worker jobs.
-    """
-    jq = _require_jobqueue()
-    kw = _slurm_kwargs(kwargs)
-    kw["scheduler_options"] = {**scheduler_options(kv_budget), **(kw.get("scheduler_options") or {})}
-    with dask.config.set(kv_dask_config()):
-        return jq.SLURMCluster(**kw)
-
-
-def render_slurm_job_script(scheduler_address: str = "tcp://scheduler:8786", **kwargs) -> str:
-    """The sbatch script of one KV worker job, without starting a scheduler or submitting."""
-    jq = _require_jobqueue()
-    kw = _slurm_kwargs(kwargs)
-    kw.setdefault("python", sys.executable)
-    return jq.slurm.SLURMJob(scheduler=scheduler_address, name="daskflow-kv-worker", **kw).job_script()
 
 
 def kv_runtime(target=None, **runtime_kwargs):
@@ -214,9 +118,9 @@ def close_runtime(runtime) -> None:
 
 @contextlib.contextmanager
 def embedded_runtime(
-    n_workers: int = 2,
-    threads_per_worker: int = 1,
-    memory_limit: str | int = DEFAULT_MEMORY_LIMIT,
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    memory_limit: str | int | None = None,
     dashboard_address: str | None = None,
     kv_budget: str | int | None = None,
     **runtime_kwargs,
@@ -231,3 +135,24 @@ def embedded_runtime(
         Client(cluster) as client,
     ):
         yield KVRuntime(client, **runtime_kwargs)
+
+
+def cuda_cluster(*args, **kwargs):
+    """``runtime.cuda.cuda_cluster``: LocalCUDACluster over UCX with the KV plugins (see there)."""
+    from .cuda import cuda_cluster as make
+
+    return make(*args, **kwargs)
+
+
+def slurm_cluster(*args, **kwargs):
+    """``runtime.slurm.slurm_cluster``: SLURMCluster with the KV plugins (see there)."""
+    from .slurm import slurm_cluster as make
+
+    return make(*args, **kwargs)
+
+
+def render_slurm_job_script(*args, **kwargs) -> str:
+    """``runtime.slurm.render_slurm_job_script``: one worker job's sbatch script."""
+    from .slurm import render_slurm_job_script as render
+
+    return render(*args, **kwargs)

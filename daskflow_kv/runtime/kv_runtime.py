@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import dask
 from distributed import Client, Future, wait
 
+from .. import config
 from ..model.text_codec import TextCodec
 from ..state import compat
 from ..state.blocks import (
-    DEFAULT_BLOCK_SIZE,
     BlockRef,
     aligned_floor,
     block_key,
@@ -105,26 +105,29 @@ class KVRuntime(TextCodec):
     def __init__(
         self,
         client: Client,
-        model: str = "tiny-llama",
-        dtype: str = "float32",
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        namespace: str = "",
+        model: str | None = None,
+        dtype: str | None = None,
+        block_size: int | None = None,
+        namespace: str | None = None,
         device: str = "cpu",
-        kv_budget_bytes: int | None = None,
-        memory_weight: float = 0.0,
+        kv_budget_bytes: int | str | None = None,
+        memory_weight: float | None = None,
     ):
         from ..model.zoo.loader import load_tokenizer
         from ..plugins.kv_dashboard import KVDashboardPlugin
         from ..plugins.kv_scheduler import KVSchedulerPlugin
 
         self.client = client
-        self.spec = tasks.ModelSpec(model, str(dtype).removeprefix("torch."), block_size, namespace, device)
+        model = config.get("model", model)
+        dtype = str(config.get("dtype", dtype)).removeprefix("torch.")
+        self.spec = tasks.ModelSpec(model, dtype, config.get("block-size", block_size), config.get("namespace", namespace),
+                                    device)
         client.register_plugin(TorchSerializationPlugin())
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
-        client.register_plugin(KVSchedulerPlugin(kv_budget_bytes, memory_weight))
+        client.register_plugin(KVSchedulerPlugin())
         client.register_plugin(KVDashboardPlugin())  # /kv page, its JSON, KV series in /metrics
-        if kv_budget_bytes is not None or memory_weight:
-            self.configure(kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight)
+        if kv_budget_bytes is not None or memory_weight is not None:  # explicit arguments win over config
+            self.configure(kv_budget_bytes=config.get_bytes("kv-budget", kv_budget_bytes), memory_weight=memory_weight)
         self.facts: tasks.ModelFacts = client.submit(tasks.model_facts, self.spec, pure=False).result()
         self.tokenizer = load_tokenizer(model)
         self.bandwidth_override: float | None = None  # bytes/s for every pair (what-if, tests)
@@ -506,7 +509,9 @@ class KVRuntime(TextCodec):
     def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
         wait([f for s in states for f in s.futures], timeout=timeout)
 
-    def calibrate(self, probe_bytes: int = 32 << 20, probe_tokens: int = 256) -> dict:
+    def calibrate(self, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
+        """Measure every worker pair's bandwidth and every worker's prefill speed (config:
+        ``daskflow-kv.calibration``)."""
         from .calibration import calibrate
 
         return calibrate(self, probe_bytes, probe_tokens)

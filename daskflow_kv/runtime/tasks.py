@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from dask.sizeof import sizeof
 
+from .. import config
 from ..model.runner import ModelRunner
 from ..model.sampling import GREEDY, SamplingParams
 from .serialization import register_torch_serialization, sizeof_torch_tensor
@@ -35,10 +36,10 @@ _LOAD_LOCK = threading.Lock()
 class ModelSpec:
     """Everything a worker needs to load the same model and agree on block keys."""
 
-    model: str  # name, path or hub id (see models.loader)
-    dtype: str = "float32"
-    block_size: int = 64
-    namespace: str = ""
+    model: str  # name, path or hub id (see model.zoo.loader)
+    dtype: str = field(default_factory=lambda: config.get("dtype"))
+    block_size: int = field(default_factory=lambda: config.get("block-size"))
+    namespace: str = field(default_factory=lambda: config.get("namespace"))
     device: str = "cpu"
 
 

@@ -10,7 +10,7 @@ Blocks are aligned to multiples of ``block_size``; only a state's last block may
 partial. A partial block's key covers its tokens exactly, so it never collides with the
 full block that later replaces it.
 
-Default block size 64 tokens. Each block is one Dask key, so the size trades per-key
+The default block size (``daskflow-kv.block-size`` in dask.config) is 64 tokens. Each block is one Dask key, so the size trades per-key
 overhead (scheduler bookkeeping, ~14 ms per dependency fetched across workers) against
 reuse granularity (a cached prefix is found to the block boundary; at most 63 tokens are
 re-prefilled) and copy size (SmolLM2: 64 tokens x 46 KB = 2.9 MB, large enough for the
@@ -23,7 +23,6 @@ import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
-DEFAULT_BLOCK_SIZE = 64
 _ROOT = "root"  # the parent key of a state's first block
 
 

@@ -1,0 +1,27 @@
+"""What every KV cluster's processes load, whatever started them (LocalCluster, dask-cuda,
+dask-jobqueue, ``dask scheduler`` by hand): the scheduler preloads the KV plugin and its
+dashboard page, workers preload the tensor serializers, and the Active Memory Manager runs
+``KVAwareReduceReplicas`` so it never drops a KV replica the planner placed.
+"""
+
+from __future__ import annotations
+
+SCHEDULER_PRELOAD = "daskflow_kv.plugins.kv_scheduler"
+DASHBOARD_PRELOAD = "daskflow_kv.plugins.kv_dashboard"
+WORKER_PRELOAD = "daskflow_kv.runtime.serialization"
+KV_AMM_POLICY = "daskflow_kv.plugins.kv_scheduler.KVAwareReduceReplicas"
+
+
+def kv_dask_config() -> dict:
+    """Dask config a KV cluster's scheduler must start with (AMM that keeps KV replicas)."""
+    return {"distributed.scheduler.active-memory-manager.policies": [{"class": KV_AMM_POLICY}]}
+
+
+def _preload_argv(kv_budget) -> list[str]:
+    return ["--kv-budget", str(kv_budget)] if kv_budget else []
+
+
+def scheduler_options(kv_budget=None) -> dict:
+    """Scheduler keyword arguments that load the KV plugin as a preload."""
+    # One argv list per preload, or the second preload is silently dropped.
+    return {"preload": [SCHEDULER_PRELOAD, DASHBOARD_PRELOAD], "preload_argv": [_preload_argv(kv_budget), []]}
