@@ -26,8 +26,12 @@ def _exact_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [b, h, q, d], key/value [b, kvh, k, d], mask bool [b, 1, q, k] (True = attend)."""
+def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """query [b, h, q, d], key/value [b, kvh, k, d], mask bool [b, 1, q, k] (True = attend).
+
+    ``softcap``: Gemma-2-style logit soft-capping, applied as transformers' eager kernel
+    does. Sliding windows need nothing here: they are in the mask.
+    """
     b, h, q_len, d = query.shape
     kvh = key.shape[1]
     groups = h // kvh
@@ -39,6 +43,8 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
         stop = min(q_len, start + _QUERY_CHUNK)
         q32 = query[:, :, start:stop].float().reshape(b, kvh, groups * (stop - start), d)
         scores = torch.matmul(q32, k32).mul_(scale).reshape(b, h, stop - start, -1)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if attention_mask is not None:
             mask = attention_mask[:, :, start:stop]
             if mask.dtype == torch.bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..state.blocks import aligned_floor, split_spans
-from .batched_cache import CTX_KW, SharedPrefixCache, register_batched_attention
+from .batched_cache import CTX_KW, SharedPrefixCache, register_batched_attention, unsupported_layers
 from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
 
@@ -42,8 +42,9 @@ def batched_twin(model: torch.nn.Module) -> torch.nn.Module:
         twin = _TWINS.get(model)
         if twin is None:
             cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-            if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-                raise NotImplementedError("batched resume does not support sliding-window layers")
+            reason = unsupported_layers(cfg)
+            if reason:
+                raise NotImplementedError(f"batched resume does not support {reason}")
             memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
             twin = copy.deepcopy(model, memo)
             twin.config._attn_implementation = register_batched_attention()

@@ -26,11 +26,12 @@ class of difference as text mode (one long prefill) vs state mode (a suffix pref
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
+from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import EXACT_ATTENTION
@@ -38,6 +39,22 @@ from .attention import EXACT_ATTENTION
 BATCHED_ATTENTION = "daskflow_batched"
 CTX_KW = "daskflow_batch"  # forward kwarg carrying the SharedPrefixCache to the kernel
 MODES = ("replay", "shared")
+# Per-layer attention patterns batched resume reproduces. A layer says which it is by the
+# ``sliding_window`` it passes to its attention kernel (None: full causal attention).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unsupported_layers(config) -> str | None:
+    """Why batched resume cannot reproduce ``config``'s attention, or None when it can.
+
+    Callers check this before they batch (the runtime then resumes branch by branch), so an
+    unsupported model never fails inside a worker.
+    """
+    types = set(getattr(config, "layer_types", None) or ())
+    odd = sorted(types - set(SUPPORTED_LAYER_TYPES))
+    if odd:
+        return f"layer types {odd} (batched resume reproduces {list(SUPPORTED_LAYER_TYPES)})"
+    return None
 
 
 class _PastLength:
@@ -147,23 +164,36 @@ class SharedPrefixCache:
             "dst": torch.tensor(dst, device=dev),
             "new_lens": [self.lens[b] + q for b, q in zip(active, q_lens)],
         }
-        if self.mode == "replay":  # the mask each branch would get from a single-branch resume
-            step["masks"] = [self._single_mask(q, self.prefix_len + self.lens[b]) for b, q in zip(active, q_lens)]
-        else:
+        if self.mode == "shared":
             step.update(self._shared_plan(active, q_lens, width))
         self._step = step
+
+    def _masks(self, sliding_window: int | None) -> list:
+        """Replay: the mask each active branch would get from a single-branch resume, per
+        attention pattern (full, or sliding over ``sliding_window`` keys), built once per step."""
+        st = self._step
+        masks = st.setdefault("masks", {})
+        if sliding_window not in masks:
+            masks[sliding_window] = [
+                self._single_mask(q, self.prefix_len + self.lens[b], sliding_window)
+                for b, q in zip(st["active"], st["q_lens"])
+            ]
+        return masks[sliding_window]
 
     def end_step(self) -> None:
         for b, n in zip(self._step["active"], self._step["new_lens"]):
             self.lens[b] = n
         self._step = None
 
-    def _single_mask(self, q_len: int, past: int):
+    def _single_mask(self, q_len: int, past: int, sliding_window: int | None):
         probe = torch.empty((1, q_len, 1), dtype=self.dtype, device=self.device)
         pos = torch.arange(past, past + q_len, device=self.device).unsqueeze(0)
-        return create_causal_mask(
-            config=self.config, inputs_embeds=probe, attention_mask=None, cache=_PastLength(past), position_ids=pos
-        )
+        make = create_causal_mask if sliding_window is None else create_sliding_window_causal_mask
+        config = self.config
+        if sliding_window is not None and getattr(config, "sliding_window", None) != sliding_window:
+            config = copy.copy(config)  # the layer's own window, if the config names another
+            config.sliding_window = sliding_window
+        return make(config=config, inputs_embeds=probe, attention_mask=None, cache=_PastLength(past), position_ids=pos)
 
     def _shared_plan(self, active, q_lens, width):
         n_max = max(self.lens[b] + q for b, q in zip(active, q_lens))
@@ -175,7 +205,7 @@ class SharedPrefixCache:
         visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens_after[:, None, None])
         # pool slot of each (branch, key); padding keys point at the branch's first slot (masked)
         gather = torch.where(key_pos[None, :] < lens_after[:, None], offs[:, None] + key_pos[None, :], offs[:, None])
-        return {"n_max": n_max, "visible": visible, "gather": gather.reshape(-1)}
+        return {"n_max": n_max, "visible": visible, "gather": gather.reshape(-1), "q_pos": q_pos}
 
     # -- transformers cache protocol ---------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -196,7 +226,7 @@ class SharedPrefixCache:
     def attend(self, module, query, scaling, kwargs):
         if self.mode == "replay":
             return self._attend_replay(module, query, scaling, kwargs)
-        return self._attend_shared(module, query, scaling)
+        return self._attend_shared(module, query, scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
 
     def _attend_replay(self, module, query, scaling, kwargs):
         st, P = self._step, self.prefix_len
@@ -212,6 +242,7 @@ class SharedPrefixCache:
         a, h, width, d = query.shape
         out = query.new_zeros((a, width, h, d))
         extra = {k: v for k, v in kwargs.items() if k not in (CTX_KW, "position_ids")}
+        masks = self._masks(kwargs.get("sliding_window"))
         for j, (b, q, n) in enumerate(zip(st["active"], st["q_lens"], st["new_lens"])):
             off = self.offsets[b]
             wk[0, :, P : P + n].copy_(tk[:, off : off + n])
@@ -221,7 +252,7 @@ class SharedPrefixCache:
                 query[j : j + 1, :, width - q :],
                 wk[:, :, : P + n],
                 wv[:, :, : P + n],
-                st["masks"][j],
+                masks[j],
                 scaling=scaling,
                 position_ids=st["position_ids"][j : j + 1, width - q :],
                 **extra,
@@ -229,7 +260,7 @@ class SharedPrefixCache:
             out[j, width - q :] = o[0]
         return out, None
 
-    def _attend_shared(self, module, query, scaling):
+    def _attend_shared(self, module, query, scaling, sliding_window=None, softcap=None):
         st, P = self._step, self.prefix_len
         layer = module.layer_idx
         (pk, pv), (tk, tv) = self.prefix[layer], self.pool[layer]
@@ -237,34 +268,43 @@ class SharedPrefixCache:
         kvh = pk.shape[1]
         g = h // kvh
         scale = scaling if scaling is not None else d**-0.5
+        neg = float("-inf")
         q32 = query.float().reshape(a, kvh, g * w, d)  # [a, kvh, g*w, d]
-        n_max = st["n_max"]
+        n_max, q_pos = st["n_max"], st["q_pos"]  # q_pos: [a, w] tail offset of each query row
         # tail part: each branch against its own (padded) tail
         kt = tk.index_select(1, st["gather"]).float().reshape(kvh, a, n_max, d).transpose(0, 1)
         vt = tv.index_select(1, st["gather"]).float().reshape(kvh, a, n_max, d).transpose(0, 1)
-        s_t = torch.matmul(q32, kt.transpose(-1, -2)).mul_(scale).reshape(a, kvh, g, w, n_max)
-        s_t = s_t.masked_fill(~st["visible"][:, None, None], float("-inf")).reshape(a, kvh, g * w, n_max)
-        m = s_t.amax(-1, keepdim=True)
+        s_t = _softcapped(torch.matmul(q32, kt.transpose(-1, -2)).mul_(scale), softcap).reshape(a, kvh, g, w, n_max)
+        visible = st["visible"]
+        if sliding_window is not None:  # a key is seen only within the window behind its query
+            key_pos = torch.arange(n_max, device=self.device)
+            visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+        s_t = s_t.masked_fill(~visible[:, None, None], neg).reshape(a, kvh, g * w, n_max)
+        m = s_t.amax(-1, keepdim=True)  # [a, kvh, g*w, 1]
         if P:
             # prefix part: every query row of every branch in one matmul; the prefix is read once
             qp = q32.transpose(0, 1).reshape(kvh, a * g * w, d)
-            s_p = torch.matmul(qp, pk[0].float().transpose(-1, -2)).mul_(scale)  # [kvh, a*g*w, P]
-            m_p = s_p.amax(-1, keepdim=True)
-            e_p = torch.exp(s_p - m_p)
-            l_p = e_p.sum(-1, keepdim=True).reshape(kvh, a, g * w, 1).transpose(0, 1)
-            o_p = torch.matmul(e_p, pv[0].float()).reshape(kvh, a, g * w, d).transpose(0, 1)
-            m_p = m_p.reshape(kvh, a, g * w, 1).transpose(0, 1)
-            m = torch.maximum(m, m_p)
+            s_p = _softcapped(torch.matmul(qp, pk[0].float().transpose(-1, -2)).mul_(scale), softcap)  # [kvh, a*g*w, P]
+            if sliding_window is not None:  # prefix key p vs a query at absolute position P + q_pos
+                seen = torch.arange(P, device=self.device)[None, None, :] > (P + q_pos[:, :, None] - sliding_window)
+                seen = seen[:, None].expand(a, g, w, P).reshape(a * g * w, P)
+                s_p = s_p.masked_fill(~seen[None], neg)
+            m = torch.maximum(m, s_p.amax(-1, keepdim=True).reshape(kvh, a, g * w, 1).transpose(0, 1))
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing (padding)
         e_t = torch.exp(s_t - m)
         l = e_t.sum(-1, keepdim=True)
         o = torch.matmul(e_t, vt)
-        if P:
-            w_p = torch.exp(m_p - m)
-            l = l + l_p * w_p
-            o = o + o_p * w_p
+        if P:  # both parts against the same row maximum: a masked-out prefix adds exactly 0
+            e_p = torch.exp(s_p - m.transpose(0, 1).reshape(kvh, a * g * w, 1))
+            l = l + e_p.sum(-1, keepdim=True).reshape(kvh, a, g * w, 1).transpose(0, 1)
+            o = o + torch.matmul(e_p, pv[0].float()).reshape(kvh, a, g * w, d).transpose(0, 1)
         o = torch.nan_to_num(o / l)  # [a, kvh, g*w, d]
         return o.reshape(a, h, w, d).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2-style logit soft-capping (as transformers' eager kernel applies it)."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def batched_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -272,8 +312,6 @@ def batched_attention(module, query, key, value, attention_mask, scaling=None, d
     cache = kwargs.get(CTX_KW)
     if cache is None:
         raise RuntimeError(f"{BATCHED_ATTENTION} needs the SharedPrefixCache passed as {CTX_KW}=")
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("batched resume does not support sliding-window layers")
     return cache.attend(module, query, scaling, kwargs)
 
 

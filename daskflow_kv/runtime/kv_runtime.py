@@ -415,7 +415,10 @@ class KVRuntime(TextCodec):
             for i, (_, p) in enumerate(plans)
         ]
         # Branches that read the same prefix (same match, same reused tokens, same inputs) on
-        # the same worker share one batched task; a lone branch keeps the plain prefill.
+        # the same worker share one batched task; a lone branch keeps the plain prefill. A
+        # model whose attention batched resume cannot reproduce resumes branch by branch,
+        # decided here, before anything is submitted.
+        batch = batch and self.facts.batch_unsupported is None
         batches: dict[tuple, list[int]] = {}
         for i, (match, p) in enumerate(plans):
             self._record(p)

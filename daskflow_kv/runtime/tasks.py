@@ -50,6 +50,7 @@ class ModelFacts:
     max_positions: int
     vocab_size: int
     eos_ids: frozenset[int]
+    batch_unsupported: str | None = None  # why branches cannot share one prefill_batch (None: they can)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +164,12 @@ def _report(event: dict) -> None:
 
 
 def model_facts(spec: ModelSpec) -> ModelFacts:
+    from ..model.batched_cache import unsupported_layers
+
     r = get_runner(spec)
-    return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids))
+    cfg = r.model.config.get_text_config() if hasattr(r.model.config, "get_text_config") else r.model.config
+    return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids),
+                      unsupported_layers(cfg))
 
 
 def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) -> PrefillOutput:

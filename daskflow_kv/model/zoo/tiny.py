@@ -1,7 +1,8 @@
 """Tiny, seeded, random-init causal LMs built offline, for tests and quick runs.
 
 Each tiny model is a real transformers architecture (Llama with grouped-query attention,
-Qwen2 with attention biases) with a locally trained byte-level BPE tokenizer, saved with
+Qwen2 with attention biases, Mistral with a sliding window on every layer, Gemma 3 with
+sliding and full attention layers alternating, Llama 4 with chunked attention) with a locally trained byte-level BPE tokenizer, saved with
 ``save_pretrained`` and reloaded with ``from_pretrained`` like any hub model. Builds are
 cached on disk, keyed by name and builder version, so tests do not rebuild them.
 """
@@ -54,6 +55,53 @@ TINY_SPECS = {
         rope_theta=1000000.0,
         seed=4321,
     ),
+    # Mistral: every layer attends to the last 24 tokens only (a window shorter than the
+    # test contexts, so resumed caches really hold keys the window must hide).
+    "tiny-mistral": dict(
+        arch="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        sliding_window=24,
+        seed=2718,
+    ),
+    # Gemma 3: sliding (16 tokens) and full attention layers alternate, with per-layer-type
+    # masks and rope bases, QK-norm and a scaled embedding.
+    "tiny-gemma3": dict(
+        arch="gemma3_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=2048,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        seed=3141,
+    ),
+    # Llama 4 text: chunked attention (each token sees only its own 16-token chunk), an
+    # attention pattern batched resume does not reproduce, so the runtime resumes its
+    # branches one by one; a single expert keeps it tiny.
+    "tiny-llama4": dict(
+        arch="llama4_text",
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        attention_chunk_size=16,
+        max_position_embeddings=2048,
+        seed=1618,
+    ),
 }
 
 
@@ -87,9 +135,10 @@ def _train_tokenizer(path: Path, max_length: int):
 
 
 def _config(spec: dict, tokenizer):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Llama4TextConfig, MistralConfig, Qwen2Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec["arch"]]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma3_text": Gemma3TextConfig,
+           "llama4_text": Llama4TextConfig}[spec["arch"]]
     kwargs = {k: v for k, v in spec.items() if k not in ("arch", "seed")}
     return cls(
         vocab_size=len(tokenizer),
