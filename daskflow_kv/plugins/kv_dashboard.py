@@ -9,7 +9,8 @@ server (the one serving Dask's dashboard and ``/metrics``):
   (materialize -> fork -> transfer -> resume -> evict) as an SVG graph, ``?state=ID``
   narrowing it to one state's ancestors and descendants; every state with its blocks,
   token ranges, refcounts, lifecycle status and worker; the cost model's recent decisions
-  with their numbers; recent lifecycle events. A few lines of script refresh it every 2 s.
+  with their numbers; recent lifecycle events. A few lines of script refresh it every
+  ``daskflow-kv.dashboard.refresh`` (2 s by default). Its markup is in ``templates/``.
 * ``/kv/api.json``: the same data as JSON (``?html=1`` adds the page's rendered sections).
 * ``/kv/catalog.arrow`` (Arrow IPC stream) and ``/kv/catalog.parquet``: the catalog table.
 * ``/metrics``: Dask's handler, with the KV metrics of ``kv_metrics`` added for the

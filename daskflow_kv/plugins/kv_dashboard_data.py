@@ -2,7 +2,8 @@
 
 ``collect`` reads the plugin through its RPC handlers (counters, catalog rows) and, where
 present, its catalog's states and event log; ``lineage_graph`` lays the states out as a
-layered DAG. HTML lives in ``kv_dashboard_render``, routes in ``kv_dashboard``.
+layered DAG. What each section shows is in ``kv_dashboard_view``, the HTML in
+``templates/`` (rendered by ``kv_dashboard_render``), routes in ``kv_dashboard``.
 """
 
 from __future__ import annotations
