@@ -29,3 +29,7 @@ class ContextTooLongError(DaskflowKVError):
 
 class WorkflowError(DaskflowKVError):
     """A workflow spec is malformed (cycle, unknown agent, missing context, ...)."""
+
+
+class KVBudgetError(DaskflowKVError):
+    """A task would take a worker's KV past its budget and nothing evictable makes room."""

@@ -20,17 +20,19 @@ TOP = "daskflow_kv"
 ALLOWED = {
     "errors": set(),
     "config": {"errors"},
+    "dask_internals": set(),
     "state": {"errors", "config"},
     "policy": {"errors", "config"},
     "model": {"state", "errors", "config"},
     "engine": {"model", "state", "errors", "config"},
-    "plugins": {"state", "policy", "errors", "config"},
-    "runtime": {"plugins", "model", "state", "policy", "errors", "config"},
+    "plugins": {"state", "policy", "errors", "config", "dask_internals"},
+    "runtime": {"plugins", "model", "state", "policy", "errors", "config", "dask_internals"},
     "flow": {"runtime", "model", "state", "policy", "errors", "config"},
     "workflows": {"flow", "errors"},
-    "bench": {"flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors", "config", "workflows"},
+    "bench": {"flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors", "config", "workflows",
+              "dask_internals"},
     "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors",
-            "config"},
+            "config", "dask_internals"},
     "__init__": set(),  # exports by name, imported lazily
 }
 # Third-party packages a part must not import (the scheduler plugin and the policy stay light).

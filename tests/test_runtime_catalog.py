@@ -18,11 +18,18 @@ def _publish(cat: KVCatalog, tokens, state_id="s1", block_size=4):
     return keys
 
 
+def _lookup(cat, tokens, block_size=4, namespace=None):
+    """As the plugin is asked: the request's own chain keys (full blocks) and its tokens."""
+    full = len(tokens) - len(tokens) % block_size
+    keys = [k for k, _, _ in chain_keys(FP, tokens[:full], block_size)]
+    return cat.lookup(FP, keys, tokens, block_size, namespace)
+
+
 def test_lifecycle_counts_lineage_recomputes_and_keeps_history_while_listed():
     cat = KVCatalog()
     tokens = list(range(10))
     keys = _publish(cat, tokens)
-    assert cat.lookup(FP, tokens + [99], 4).tokens == 10  # pending blocks are found too
+    assert _lookup(cat, tokens + [99]).tokens == 10  # pending blocks are found too
     for k in keys:
         assert cat.entered_memory(k) is False
     cat.set_status(keys[-1], "lost")
@@ -30,7 +37,7 @@ def test_lifecycle_counts_lineage_recomputes_and_keeps_history_while_listed():
     assert cat.blocks[keys[-1]].recomputes == 1 and cat.counters["lineage_recomputes"] == 1
     cat.forget(keys[-1])  # a live state lists it: the entry stays, the index forgets it
     assert keys[-1] in cat.blocks and cat.blocks[keys[-1]].status == "forgotten"
-    assert cat.lookup(FP, tokens, 4).tokens == 8
+    assert _lookup(cat, tokens).tokens == 8
     cat.release_state("s1")
     assert keys[-1] not in cat.blocks  # nobody lists it any more: gone
     for k in keys[:-1]:
@@ -50,3 +57,16 @@ def test_rows_and_arrow_table():
     first = [r for r in tbl.to_pylist() if r["state_id"] == "f1"][0]
     assert (first["state_op"], first["state_parents"], first["workers"], first["refcount"]) == ("fork", "s1", "tcp://a", 2)
     assert first["cached"] and first["reuse_count"] == 1 and (first["token_start"], first["token_end"]) == (0, 4)
+
+
+def test_lookups_see_only_their_namespace():
+    cat = KVCatalog()
+    tokens = list(range(12))
+    for key, s, e in chain_keys(FP, tokens, 4):
+        cat.add_block({"key": key, "start": s, "end": e, "nbytes": 1, "tokens": tokens[s:e], "parent": None if s == 0
+                       else chain_keys(FP, tokens, 4)[s // 4 - 1][0], "fingerprint": FP}, namespace="alice")
+    assert _lookup(cat, tokens, namespace="alice").tokens == 12
+    assert _lookup(cat, tokens, namespace="bob").tokens == 0
+    assert _lookup(cat, tokens).tokens == 12  # an admin (no namespace filter)
+    assert {r["namespace"] for r in cat.rows({}, {}, set(), "alice")} == {"alice"}
+    assert cat.rows({}, {}, set(), "bob") == []

@@ -22,12 +22,10 @@ import time
 
 import torch
 
+from ..dask_internals import clear_incoming_transfers, in_memory, incoming_transfers
 from ..runtime import tasks
 
 KV_KEY_PREFIXES = ("kvblock-", "kvreplica-", "kvprefill-")  # Dask keys that hold KV tensors
-# Published blocks only: a prefill's output shares its tensors with the blocks cut from it,
-# so counting both would count those bytes twice.
-KV_MEMORY_PREFIXES = ("kvblock-", "kvreplica-")
 
 
 def _worker_address() -> str:
@@ -149,16 +147,37 @@ def malloc_trim() -> bool:
 
 
 def _kv_bytes(dask_worker) -> int:
+    """KV tensor bytes the worker holds in Dask's memory: every block, replica and prefill
+    output, each storage counted once (a block cut from an output shares its tensor)."""
+    seen, total = set(), 0
+    data = in_memory(dask_worker)
     for _ in range(5):  # the worker's loop mutates the dict; retry a torn iteration
         try:
-            return sum(
-                (ts.nbytes or 0)
-                for key, ts in list(dask_worker.state.tasks.items())
-                if ts.state == "memory" and str(key).startswith(KV_MEMORY_PREFIXES)
-            )
+            keys = [k for k in list(data.keys()) if str(k).startswith(KV_KEY_PREFIXES)]
+            break
         except RuntimeError:
             continue
-    return 0
+    else:
+        return 0
+    for key in keys:
+        try:
+            value = data[key]
+        except KeyError:  # freed meanwhile
+            continue
+        for t in _tensors(value):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    for attr in ("blocks", "outputs"):  # PrefillOutput.blocks, BatchPrefillOutput.outputs
+        for v in getattr(value, attr, None) or ():
+            yield from _tensors(v)
 
 
 def start_sampler(dask_worker=None, interval: float = 0.01) -> int:
@@ -198,7 +217,7 @@ def stop_sampler(dask_worker=None) -> dict:
 
 
 def clear_transfer_log(dask_worker) -> None:
-    dask_worker.transfer_incoming_log.clear()
+    clear_incoming_transfers(dask_worker)
 
 
 def transfer_log(dask_worker) -> list[dict]:
@@ -206,7 +225,7 @@ def transfer_log(dask_worker) -> list[dict]:
     return [
         {"start": e.get("start"), "stop": e.get("stop"), "duration": e.get("duration"), "total": e.get("total"),
          "who": e.get("who"), "keys": {str(k): v for k, v in (e.get("keys") or {}).items()}}
-        for e in dask_worker.transfer_incoming_log
+        for e in incoming_transfers(dask_worker)
     ]
 
 

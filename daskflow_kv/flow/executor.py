@@ -122,6 +122,7 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     results: dict[str, AgentResult] = {}
     lineage: dict[str, list[dict]] = {}
     states = {}
+    followed = {a.follows for a in wf.agents.values() if a.follows}
     level_tokens = []
     t0 = time.perf_counter()
     for lvl, names in enumerate(cw.levels):
@@ -165,9 +166,13 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
                     decision=d.action if d is not None else "reuse",
                 )
                 lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
-                states[name] = gen.state
                 rt.release(branch)
-                if wf.agents[name].policy == "evict":
+                # Keep a continuation live only when a later agent continues it (``follows``):
+                # the rest stay cached for reuse but evictable, so under a KV budget the
+                # workflow's pinned working set is what it still needs, not all it made.
+                if name in followed and wf.agents[name].policy != "evict":
+                    states[name] = gen.state
+                else:
                     rt.release(gen.state)
         level_tokens.append(computed)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage)

@@ -1,7 +1,7 @@
 """Prometheus metrics of the KV cache under the scheduler's ``/metrics``.
 
 The numbers are the ones the KV dashboard page shows, read from the KV scheduler plugin
-through its RPC handlers (``handle_counters``, ``handle_catalog``), and named after the
+through its operator views (``operator_counters``, ``operator_catalog``), and named after the
 page's counters with a ``daskflow_kv_`` prefix:
 
 ====================================  ======================================================
@@ -78,7 +78,7 @@ def kv_plugin(scheduler):
     if p is not None:
         return p
     for p in plugins.values():  # renamed? recognise it by its interface
-        if hasattr(p, "handle_counters") and hasattr(p, "handle_catalog"):
+        if hasattr(p, "operator_counters") and hasattr(p, "operator_catalog"):
             return p
     return None
 
@@ -92,11 +92,11 @@ def _num(v, default=0.0) -> float:
 
 
 def read_counters(plugin) -> dict:
-    """``handle_counters()`` normalised: counters (all numeric), kv_bytes, budget, decisions, events."""
+    """``operator_counters()`` normalised: counters (all numeric), kv_bytes, budget, decisions, events."""
     try:
-        raw = plugin.handle_counters() or {}
+        raw = plugin.operator_counters() or {}
     except Exception:  # a plugin mid-refactor must not take the page or /metrics down
-        logger.exception("daskflow-kv: handle_counters failed")
+        logger.exception("daskflow-kv: operator_counters failed")
         raw = {}
     counters = {k: _num(v) for k, v in (raw.get("counters") or {}).items() if _num(v, None) is not None}
     for name in COUNTERS:
@@ -122,9 +122,9 @@ def read_counters(plugin) -> dict:
 
 def read_catalog(plugin) -> list[dict]:
     try:
-        return list(plugin.handle_catalog() or [])
+        return list(plugin.operator_catalog() or [])
     except Exception:  # as in read_counters
-        logger.exception("daskflow-kv: handle_catalog failed")
+        logger.exception("daskflow-kv: operator_catalog failed")
         return []
 
 

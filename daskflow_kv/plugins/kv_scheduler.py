@@ -32,7 +32,6 @@ Load it with ``client.register_plugin(KVSchedulerPlugin())`` or
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import defaultdict, deque
@@ -40,13 +39,16 @@ from collections import defaultdict, deque
 import click
 from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.scheduler import ClientState
 from tornado.ioloop import PeriodicCallback
 
 from daskflow_kv import config
+from daskflow_kv import dask_internals as di
 from daskflow_kv.policy.cost_model import PrefillSample, fit_prefill_profile
-from daskflow_kv.policy.eviction import BlockUsage, choose_victims
 from daskflow_kv.state.catalog import KVCatalog, rows_to_arrow
+
+from .kv_budget import KVBudget
+from .kv_client_api import KVClientAPI
+from .tenants import TenantRegistry
 
 logger = logging.getLogger("daskflow_kv.scheduler")
 
@@ -56,7 +58,23 @@ PREFILL_TOPIC = "daskflow-kv-prefill"  # timings reported by workers (see runtim
 PLUGIN_NAME = "daskflow-kv"
 BLOCK_PREFIX = "kvblock-"  # every content-addressed block key starts with it
 KV_TASK_PREFIXES = ("kvprefill-", BLOCK_PREFIX, "kvresult-", "kvreplica-")  # tasks placed by the plan
-_NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
+
+
+def short_key(key: str) -> str:
+    """A KV key cut to its prefix and 8 hex digits: names it in logs, cannot fetch it."""
+    if not key or not key.startswith(KV_TASK_PREFIXES):
+        return key
+    return key[: key.rfind("-") + 9] + "…" if "-" in key else key
+
+
+def public_event(event: dict) -> dict:
+    """An event as Dask's event log (readable by any client) gets it: keys cut short."""
+    out = dict(event)
+    if "key" in out:
+        out["key"] = short_key(str(out["key"]))
+    if "keys" in out:
+        out["keys"] = [short_key(str(k)) for k in out["keys"]]
+    return out
 
 
 class KVAwareReduceReplicas(ReduceReplicas):
@@ -75,9 +93,11 @@ class KVAwareReduceReplicas(ReduceReplicas):
                 sent = yield suggestion
 
 
-class KVSchedulerPlugin(SchedulerPlugin):
+class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True  # registering again (another client, a preload) keeps the running one
+    NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
+    CACHE_CLIENT = CACHE_CLIENT
 
     def __init__(
         self,
@@ -91,10 +111,12 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.memory_weight = config.get("memory-weight", memory_weight)  # lambda: s charged per byte placed
         self.evict_interval = config.get_seconds("scheduler.evict-interval", evict_interval)  # between checks
         self.lease_seconds = config.get_seconds("scheduler.lease", lease_seconds)  # looked-up block kept this long
+        self.admission_patience = config.get_seconds("scheduler.admission-patience")  # parked task waits this long
         max_samples = config.get("scheduler.prefill-samples")  # per worker, for the profile fit
         self.catalog = KVCatalog()
         self.samples: dict[str, deque] = defaultdict(lambda: deque(maxlen=max_samples))
-        self.probed_bandwidth: dict[tuple[str, str], float] = {}  # (src, dst) -> bytes/s
+        self.probed_bandwidth: dict[tuple[str, str, str], float] = {}  # (namespace, src, dst) -> bytes/s
+        self.tenants = TenantRegistry()  # replaced at start by the scheduler's own configuration
         self.decisions: deque = deque(maxlen=256)  # recent cost-model decisions, newest last
         self.events: deque = deque(maxlen=1024)  # recent lifecycle events
         self.scheduler = None
@@ -103,33 +125,20 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self._evicting: set[str] = set()  # keys released by the budget, until Dask confirms
         self._lost_cache_only: set[str] = set()  # lost with a dead worker, wanted only by the cache
         self._over_budget: set[str] = set()  # workers over budget with only pinned blocks left
+        self._held: dict = {}  # key -> kv_budget.Held: KV tasks parked until admitted under the budget
+        self._reserved: dict[str, int] = {}  # worker -> KV bytes promised to admitted, running tasks
+        self._admit_pending = False  # something freed room: try the parked tasks again
         self._pruned = 0.0  # last time released states were pruned from the catalog
         self._pc: PeriodicCallback | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.clients.setdefault(CACHE_CLIENT, ClientState(CACHE_CLIENT))
-        scheduler.handlers.update(
-            {
-                "kv_lookup": self.handle_lookup,
-                "kv_acquire": self.handle_acquire,
-                "kv_snapshot": self.handle_snapshot,
-                "kv_register_states": self.handle_register_states,
-                "kv_release_state": self.handle_release_state,
-                "kv_catalog": self.handle_catalog,
-                "kv_counters": self.handle_counters,
-                "kv_record_bandwidth": self.handle_record_bandwidth,
-                "kv_configure": self.handle_configure,
-                "kv_evict_now": self.handle_evict_now,
-            }
-        )
-        amm = scheduler.extensions.get("amm")
-        if amm is not None:
-            for policy in list(amm.policies):
-                if type(policy) is ReduceReplicas:
-                    amm.policies.discard(policy)
-                    amm.add_policy(KVAwareReduceReplicas())
+        # Read here, in the scheduler's process: never from a plugin object a client pickled.
+        self.tenants = TenantRegistry(config.get("tenants"))
+        di.ensure_client(scheduler, CACHE_CLIENT)
+        di.add_handlers(scheduler, self.client_handlers())
+        di.replace_amm_policy(scheduler, ReduceReplicas, KVAwareReduceReplicas())
         self._pc = PeriodicCallback(self._tick, self.evict_interval * 1000)
         self._pc.start()
 
@@ -137,10 +146,15 @@ class KVSchedulerPlugin(SchedulerPlugin):
         if self._pc is not None:
             self._pc.stop()
 
-    def _event(self, op: str, **detail) -> None:
-        event = {"op": op, "time": time.time(), **detail}
+    def _event(self, op: str, namespace: str | None, **detail) -> None:
+        """A lifecycle event: kept whole for its namespace (None: the cluster's own), and
+        published to Dask's event log - which any client reads - with KV keys cut short."""
+        event = {"op": op, "time": time.time(), "namespace": namespace, **detail}
         self.events.append(event)
-        self.scheduler.log_event(EVENT_TOPIC, event)
+        self.scheduler.log_event(EVENT_TOPIC, public_event(event))
+
+    def remove_client(self, scheduler, client: str) -> None:
+        self.tenants.end_client(client)
 
     # -- graph ----------------------------------------------------------------------------
     def update_graph(self, scheduler, *, client, keys, tasks, annotations, priority, stimulus_id, **kwargs) -> None:
@@ -149,13 +163,16 @@ class KVSchedulerPlugin(SchedulerPlugin):
             ts = scheduler.tasks.get(key)
             if ts is None or not isinstance(note, dict):
                 continue
-            if note.get("role") == "block":
-                self.catalog.add_block(note["meta"])
+            # The session token in the annotation says whose task it is (it cannot be forged;
+            # a client id or a namespace string could). No session: runs, but is not cataloged.
+            session = self.tenants.find(note.get("session"))
+            if note.get("role") == "block" and session is not None:
+                self.catalog.add_block(note["meta"], session.namespace)
                 published.append(key)
             elif note.get("role") == "compute":
-                self._place(ts, note)
+                self._place(ts, note, None if session is None else session.namespace)
         if published:
-            scheduler.client_desires_keys(published, CACHE_CLIENT)
+            di.want(scheduler, published, CACHE_CLIENT)
         # Planned for a worker that died since the client looked: let Dask place them.
         self._loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if str(k).startswith(KV_TASK_PREFIXES))
 
@@ -164,14 +181,14 @@ class KVSchedulerPlugin(SchedulerPlugin):
         alive = self.scheduler.workers
         stuck = []
         for ts in task_states:
-            r = ts.worker_restrictions
-            if r and not ts.loose_restrictions and not any(w in alive for w in r):
-                ts.loose_restrictions = True
+            parked = ts.key in self._held and self._held[ts.key].worker is None  # admission decides those
+            if not parked and di.is_strict(ts) and not any(w in alive for w in ts.worker_restrictions):
+                di.loosen(ts)
                 if ts.state == "no-worker":
                     stuck.append(ts.key)
         return stuck
 
-    def _place(self, ts, note: dict) -> None:
+    def _place(self, ts, note: dict, namespace: str | None) -> None:
         """Restrict a KV-consuming task to the plan's worker, or to where its blocks live."""
         reads = note.get("reads", ())
         target = note.get("target")
@@ -182,29 +199,33 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 for ws in (dts.who_has or ()) if dts is not None else ():
                     held[ws.address] += dts.get_nbytes()
             target = max(sorted(held), key=held.get) if held else None
-        if target is not None and target in self.scheduler.workers:
+        if self._hold(ts, target, note.get("kv_out", 0), namespace):
+            pass  # the budget decides when (and whether) it goes to ``target``: see kv_budget
+        elif target is not None and target in self.scheduler.workers:
             # Strict while the worker lives (no work stealing); loosened if it dies.
-            ts.worker_restrictions = {target}
-            ts.loose_restrictions = False
+            di.pin(self.scheduler, ts, target)
         for k in reads:
             self.catalog.touch(k)
         op = note.get("op", "compute")
-        self._event(op + "-task", key=str(ts.key), worker=target, state_id=note.get("state_id"), reads=len(reads))
+        self._event(op + "-task", namespace, key=str(ts.key), worker=target, state_id=note.get("state_id"),
+                    reads=len(reads))
         decision = note.get("decision")
         if not decision or not note.get("first"):  # a destination pays once, whatever its branch count
             return
-        self.decisions.append(decision)
+        self.decisions.append({**decision, "namespace": namespace})
         if decision.get("action") == "transfer":
             self.catalog.count("transfers")
             self.catalog.count("bytes_transferred", decision.get("nbytes", 0))
-            self._event("transfer", src=decision.get("src"), dst=decision.get("dst"), nbytes=decision.get("nbytes"),
-                        keys=list(reads), state_id=note.get("state_id"))
+            self._event("transfer", namespace, src=decision.get("src"), dst=decision.get("dst"),
+                        nbytes=decision.get("nbytes"), keys=list(reads), state_id=note.get("state_id"))
         elif decision.get("action") == "recompute":
             self.catalog.count("recomputes")
-            self._event("recompute", reason="cost-model", dst=decision.get("dst"),
+            self._event("recompute", namespace, reason="cost-model", dst=decision.get("dst"),
                         tokens=decision.get("missing_tokens"), state_id=note.get("state_id"))
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
+        if key in self._held:
+            self._admission_transition(key, start, finish)
         entry = self.catalog.blocks.get(key)
         if entry is None:
             return
@@ -212,7 +233,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
             if self.catalog.entered_memory(key):
                 ts = self.scheduler.tasks.get(key)
                 where = [ws.address for ws in (ts.who_has or ())] if ts is not None else []
-                self._event("recompute", reason="lineage", key=key, workers=where)
+                self._event("recompute", entry.namespace, reason="lineage", key=key, workers=where)
             self._dirty = True
         elif start == "memory":
             ts = self.scheduler.tasks.get(key)
@@ -222,7 +243,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 self.catalog.set_status(key, "evicted")
             elif wanted:  # its worker died; Dask recomputes it from its run spec
                 self.catalog.set_status(key, "lost")
-                self._event("lost", key=key)
+                self._event("lost", entry.namespace, key=key)
                 if {cs.client_key for cs in ts.who_wants or ()} <= {CACHE_CLIENT} and not ts.waiters:
                     self._lost_cache_only.add(key)  # nobody but the cache needs it: see remove_worker
             else:
@@ -251,11 +272,13 @@ class KVSchedulerPlugin(SchedulerPlugin):
         # may now run anywhere; those already stuck in no-worker are scheduled again.
         self.samples.pop(worker, None)
         self._over_budget.discard(worker)
+        self._reserved.pop(worker, None)
+        self._admit_pending = True  # parked tasks planned there go elsewhere
         stimulus = f"kv-worker-lost-{time.time()}"
         stuck = self._loosen_dead_restrictions(ts for k, ts in list(scheduler.tasks.items())
                                                if str(k).startswith(KV_TASK_PREFIXES))
         if stuck:
-            scheduler.transitions({k: "processing" for k in stuck}, stimulus_id=stimulus)
+            di.reschedule(scheduler, stuck, stimulus)
         # Blocks only the cache wanted are not worth recomputing now; they stay in lineage
         # and come back if a lookup asks for them.
         drop = [k for k in self._lost_cache_only if self._cache_only(k) and scheduler.tasks[k].state != "memory"]
@@ -263,8 +286,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
         for k in drop:
             self.catalog.set_status(k, "released")
         if drop:
-            scheduler.client_releases_keys(drop, CACHE_CLIENT, stimulus_id=stimulus)
-        self._event("worker-lost", worker=worker, rescheduled=len(stuck), dropped=len(drop))
+            di.unwant(scheduler, drop, CACHE_CLIENT, stimulus)
+        self._event("worker-lost", None, worker=worker, rescheduled=len(stuck), dropped=len(drop))
 
     def _cache_only(self, key) -> bool:
         ts = self.scheduler.tasks.get(key)
@@ -277,18 +300,18 @@ class KVSchedulerPlugin(SchedulerPlugin):
     def _acquire(self, keys: list[str], client: str | None) -> dict[str, str]:
         """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state."""
         tasks = self.scheduler.tasks
-        known = [k for k in dict.fromkeys(keys) if k in tasks and tasks[k].state not in _NOT_USABLE]
+        known = [k for k in dict.fromkeys(keys) if k in tasks and tasks[k].state not in self.NOT_USABLE]
         if not known:
             return {}
         now = time.time()
         for k in known:
             self._leases[k] = now + self.lease_seconds
         if client in self.scheduler.clients:  # not a client that has gone meanwhile
-            self.scheduler.client_desires_keys(known, client)
-        self.scheduler.client_desires_keys([k for k in known if k in self.catalog.blocks], CACHE_CLIENT)
-        recompute = {k: "waiting" for k in known if tasks[k].state == "released"}
-        if recompute:  # needed again after it left memory: Dask recomputes it from lineage
-            self.scheduler.transitions(recompute, stimulus_id=f"kv-acquire-{now}")
+            di.want(self.scheduler, known, client)
+        di.want(self.scheduler, [k for k in known if k in self.catalog.blocks], CACHE_CLIENT)
+        released = [k for k in known if tasks[k].state == "released"]
+        if released:  # needed again after it left memory: Dask recomputes it from lineage
+            di.recompute(self.scheduler, released, f"kv-acquire-{now}")
         return {k: tasks[k].state for k in known}
 
     def _where(self, ts) -> list[str]:
@@ -298,6 +321,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 return sorted(ws.address for ws in ts.who_has)
             if ts.processing_on is not None:
                 return [ts.processing_on.address]
+            held = self._held.get(ts.key)
+            if held is not None:  # parked for admission: where the plan sends it
+                return [held.worker or held.target] if (held.worker or held.target) in self.scheduler.workers else []
             if ts.worker_restrictions:
                 return sorted(w for w in ts.worker_restrictions if w in self.scheduler.workers)
             if len(ts.dependencies) != 1:  # a block's only input is the prefill that made it
@@ -305,21 +331,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
             ts = next(iter(ts.dependencies))
         return []
 
-    # -- eviction -------------------------------------------------------------------------
-    def kv_bytes_by_worker(self) -> dict[str, int]:
-        return {
-            addr: sum(ts.get_nbytes() for ts in ws.has_what if ts.key in self.catalog.blocks)
-            for addr, ws in self.scheduler.workers.items()
-        }
-
-    def _pinned(self, ts, now: float) -> bool:
-        """A block this worker must keep: leased, read by a waiting/running task, or held by a state."""
-        if self._leases.get(ts.key, 0.0) > now or ts.waiters:
-            return True
-        if len(ts.who_has or ()) > 1:  # an extra replica: the states keep the other copy
-            return False
-        return any(cs.client_key != CACHE_CLIENT for cs in ts.who_wants or ())
-
+    # -- budget loop ----------------------------------------------------------------------
     def _tick(self) -> None:
         now = time.time()
         self._leases = {k: t for k, t in self._leases.items() if t > now}
@@ -331,48 +343,6 @@ class KVSchedulerPlugin(SchedulerPlugin):
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv budget check failed")
 
-    def _enforce_budgets(self, force: bool = False) -> list[str]:
-        if self.kv_budget_bytes is None or not (self._dirty or force):
-            return []
-        self._dirty = False
-        now = time.time()
-        stimulus = f"kv-evict-{now}"
-        evicted = []
-        for addr, ws in list(self.scheduler.workers.items()):
-            kv_tasks = [ts for ts in ws.has_what if ts.key in self.catalog.blocks]
-            used = sum(ts.get_nbytes() for ts in kv_tasks)
-            if used <= self.kv_budget_bytes:
-                self._over_budget.discard(addr)
-                continue
-            usage = []
-            for ts in kv_tasks:
-                e = self.catalog.blocks[ts.key]
-                usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
-                                        self._pinned(ts, now), e.parent, e.start))
-            plan = choose_victims(usage, used, self.kv_budget_bytes, now)
-            for key in plan.victims:
-                ts = self.scheduler.tasks[key]
-                if len(ts.who_has or ()) > 1:  # drop this worker's replica only
-                    self.scheduler.request_remove_replicas(addr, [key], stimulus_id=stimulus)
-                else:
-                    self._evicting.add(key)
-                    self.scheduler.client_releases_keys([key], CACHE_CLIENT, stimulus_id=stimulus)
-                self.catalog.count("evictions")
-                self.catalog.count("bytes_evicted", ts.get_nbytes())
-                self._event("evict", key=key, worker=addr, nbytes=ts.get_nbytes())
-                evicted.append(key)
-            if plan.over_budget_pinned:
-                self._dirty = True  # check again: pinned blocks become evictable when released
-                if addr not in self._over_budget:
-                    self._over_budget.add(addr)
-                    logger.warning("worker %s holds %d KV bytes, over its budget, all pinned", addr,
-                                   plan.remaining_bytes)
-                    self._event("over-budget", worker=addr, nbytes=plan.remaining_bytes)
-            else:
-                self._over_budget.discard(addr)
-        self._evicting = {k for k in self._evicting if k in self.scheduler.tasks}  # dropped some other way
-        return evicted
-
     # -- profiles -------------------------------------------------------------------------
     def prefill_profiles(self) -> dict[str, dict]:
         out = {}
@@ -382,87 +352,21 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 out[worker] = {"a": p.a, "b": p.b, "c": p.c, "samples": len(samples)}
         return out
 
-    def bandwidth(self) -> dict[str, float]:
-        """Measured bytes/s per "src->dst" pair.
+    def bandwidth(self, namespace: str | None = None) -> dict[str, float]:
+        """Measured bytes/s per "src->dst" pair, as ``namespace``'s plans see them.
 
         A calibration probe (a real transfer timed from the receiver's transfer log) wins:
         it is recent. Dask's own per-pair figure fills the other pairs; it averages every
         transfer over 1 MB since the worker started, so it lags when the link changes.
+        Probes count only for the namespace that ran them: no tenant steers another's plans.
         """
-        out = {f"{src}->{dst}": bw for (dst, src), bw in self.scheduler.bandwidth_workers.items()}  # (receiver, sender)
-        out.update({f"{s}->{d}": bw for (s, d), bw in self.probed_bandwidth.items()})
+        out = {f"{src}->{dst}": bw for (src, dst), bw in di.link_bandwidths(self.scheduler).items()}
+        out.update({f"{s}->{d}": bw for (ns, s, d), bw in self.probed_bandwidth.items() if ns == namespace})
         return out
 
-    # -- handlers (client RPC) ------------------------------------------------------------
-    def handle_lookup(self, fingerprint: str, tokens: list[int], block_size: int, client: str | None = None) -> dict:
-        """Longest cached prefix of ``tokens``, acquired for ``client`` before this returns."""
-        match = self.catalog.lookup(fingerprint, tokens, block_size)
-        usable = []
-        for b in match.blocks:  # stop at the first block Dask cannot give back
-            ts = self.scheduler.tasks.get(b.key)
-            if ts is None or ts.state in _NOT_USABLE:
-                break
-            usable.append(b)
-        covered = match.tokens if len(usable) == len(match.blocks) else (usable[-1].end if usable else 0)
-        states = self._acquire([b.key for b in usable], client)
-        blocks = []
-        for b in usable:
-            ts = self.scheduler.tasks[b.key]
-            blocks.append(
-                {
-                    "key": b.key,
-                    "start": b.start,
-                    "end": b.end,
-                    "nbytes": b.nbytes,
-                    "tokens": list(b.token_ids),
-                    "who_has": sorted(ws.address for ws in (ts.who_has or ())),
-                    "where": self._where(ts),
-                    "state": states.get(b.key, ts.state),
-                }
-            )
-        return {"tokens": covered, "blocks": blocks}
-
-    def handle_acquire(self, keys: list[str], client: str | None = None) -> dict[str, str]:
-        return self._acquire(keys, client)
-
-    def handle_snapshot(self) -> dict:
-        s = self.scheduler
-        kv_bytes = self.kv_bytes_by_worker()
-        return {
-            "workers": {
-                addr: {"nthreads": ws.nthreads, "processing": len(ws.processing), "kv_bytes": kv_bytes[addr]}
-                for addr, ws in s.workers.items()
-            },
-            "bandwidth": self.bandwidth(),
-            "default_bandwidth": s.bandwidth,
-            "prefill_profiles": self.prefill_profiles(),
-            "kv_budget_bytes": self.kv_budget_bytes,
-            "memory_weight": self.memory_weight,
-        }
-
-    async def handle_register_states(self, metas: list[dict], timeout: float = 10.0) -> None:
-        """Record states, once the scheduler knows all their blocks.
-
-        The client submits block tasks over its batched stream and calls this over RPC,
-        which can overtake them; waiting here means that once an operation returns, every
-        later lookup (from any client) sees its blocks.
-        """
-        keys = {k for m in metas for k in m["block_keys"]}
-        deadline = time.time() + timeout
-        while not keys <= self.scheduler.tasks.keys() and time.time() < deadline:
-            await asyncio.sleep(0.002)
-        for meta in metas:
-            self.catalog.add_state(meta)
-            self._event(meta.get("op", "state"), state_id=meta["state_id"], parents=list(meta.get("parents", ())),
-                        blocks=len(meta["block_keys"]), tokens=meta.get("tokens", 0), worker=meta.get("worker"),
-                        **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
-
-    def handle_release_state(self, state_id: str) -> None:
-        self.catalog.release_state(state_id)
-        self._dirty = True
-        self._event("release", state_id=state_id)
-
-    def handle_catalog(self) -> list[dict]:
+    # -- views (the client API scopes them; the dashboard shows the operator's) -------------
+    def catalog_rows(self, namespace: str | None = None) -> list[dict]:
+        """Catalog rows of ``namespace`` (None: every namespace)."""
         self.catalog.prune()
         tasks = self.scheduler.tasks
         who_has, refcount, cached = {}, {}, set()
@@ -474,35 +378,40 @@ class KVSchedulerPlugin(SchedulerPlugin):
             refcount[k] = len(self.catalog.live_holders.get(k, ())) + len(ts.waiters or ())
             if any(cs.client_key == CACHE_CLIENT for cs in ts.who_wants or ()):
                 cached.add(k)
-        return self.catalog.rows(who_has, refcount, cached)
+        return self.catalog.rows(who_has, refcount, cached, namespace)
 
-    def handle_counters(self) -> dict:
+    def counters_view(self, namespace: str | None = None) -> dict:
+        """Counters (cluster-wide), per-worker KV bytes, and ``namespace``'s decisions and events."""
         c = dict(self.catalog.counters)
         total = c["tokens_reused"] + c["tokens_computed"]
         c["reuse_ratio"] = c["tokens_reused"] / total if total else 0.0
+        visible = lambda e: namespace is None or e.get("namespace") in (None, namespace)  # noqa: E731
         return {
             "counters": c,
-            "decisions": list(self.decisions)[-32:],
+            "decisions": [d for d in self.decisions if visible(d)][-32:],
             "kv_bytes": self.kv_bytes_by_worker(),
             "kv_budget_bytes": self.kv_budget_bytes,
-            "events": list(self.events)[-64:],
+            "events": [e for e in self.events if visible(e)][-64:],
         }
 
-    def handle_record_bandwidth(self, src: str, dst: str, bandwidth: float) -> None:
-        self.probed_bandwidth[(src, dst)] = bandwidth
+    def operator_catalog(self) -> list[dict]:
+        """What the dashboard shows: every namespace's rows; with tenants configured, block
+        keys cut short (a full key is a capability to read the block's K/V)."""
+        rows = self.catalog_rows()
+        if not self.tenants.open:
+            for r in rows:
+                r["block_key"], r["parent_key"] = short_key(r["block_key"]), short_key(r["parent_key"])
+        return rows
 
-    def handle_configure(self, kv_budget_bytes=None, memory_weight=None, unset_budget=False) -> None:
-        if kv_budget_bytes is not None or unset_budget:
-            self.kv_budget_bytes = kv_budget_bytes
-        if memory_weight is not None:
-            self.memory_weight = memory_weight
-        self._dirty = True
-
-    def handle_evict_now(self) -> list[str]:
-        return self._enforce_budgets(force=True)
+    def operator_counters(self) -> dict:
+        view = self.counters_view()
+        if not self.tenants.open:
+            view["events"] = [public_event(e) for e in view["events"]]
+        return view
 
     def catalog_table(self):
-        return rows_to_arrow(self.handle_catalog())
+        """The operator's catalog as Arrow (what the dashboard's /kv/catalog.* routes serve)."""
+        return rows_to_arrow(self.operator_catalog())
 
 
 @click.command()

@@ -15,11 +15,12 @@ import time
 from distributed import wait
 
 from .. import config
+from ..dask_internals import incoming_transfers
 from . import tasks
 
 
 def _transfer_record(dask_worker, key):
-    for entry in reversed(dask_worker.transfer_incoming_log):
+    for entry in reversed(incoming_transfers(dask_worker)):
         if key in entry["keys"]:
             return {"total": entry["total"], "duration": entry["duration"], "who": entry["who"]}
     return None

@@ -30,6 +30,7 @@ from .preloads import (  # noqa: F401  -- part of this module's interface
     SCHEDULER_PRELOAD,
     WORKER_PRELOAD,
     _preload_argv,
+    comm_protocol,
     kv_dask_config,
     scheduler_options,
 )
@@ -41,10 +42,13 @@ def local_cluster(
     memory_limit: str | int | None = None,
     dashboard_address: str | None = ":0",
     kv_budget: str | int | None = None,
+    security=None,
     **kwargs,
 ):
     """A LocalCluster of worker processes over TCP, KV plugin preloaded, AMM made KV-safe.
 
+    ``security``: a ``distributed.Security`` (e.g. ``Security.temporary()`` or one built from
+    certificate files): then every connection - client, scheduler, workers - is TLS.
     ``kv_budget``: per-worker KV bytes (e.g. "512MiB"). Arguments left None come from
     ``dask.config["daskflow-kv"]`` (``cluster.workers``, ``cluster.memory-limit``, ``kv-budget``,
     ...). Extra keyword arguments go to ``distributed.LocalCluster``.
@@ -56,7 +60,8 @@ def local_cluster(
             n_workers=config.get("cluster.workers", n_workers),
             threads_per_worker=config.get("cluster.threads-per-worker", threads_per_worker),
             processes=True,
-            protocol="tcp://",
+            protocol=comm_protocol(security),
+            security=security,
             memory_limit=config.get("cluster.memory-limit", memory_limit),
             dashboard_address=dashboard_address,
             scheduler_kwargs=scheduler_options(kv_budget),
@@ -65,17 +70,19 @@ def local_cluster(
         )
 
 
-def connect(address: str, timeout: str | float = "10s", **client_kwargs):
+def connect(address: str, timeout: str | float = "10s", security=None, **client_kwargs):
     """A Client on an existing scheduler, with the KV plugins registered (idempotently).
 
     The scheduler and workers must be able to import daskflow_kv (same environment).
+    ``security``: a ``distributed.Security`` for a ``tls://`` scheduler (None: Dask's
+    ``distributed.comm.tls.*`` configuration, if any).
     """
     from distributed import Client
 
     from ..plugins.kv_scheduler import KVSchedulerPlugin
     from .serialization import TorchSerializationPlugin
 
-    client = Client(address, timeout=timeout, **client_kwargs)
+    client = Client(address, timeout=timeout, security=security, **client_kwargs)
     client.register_plugin(TorchSerializationPlugin())
     client.register_plugin(KVSchedulerPlugin())
     return client
@@ -88,9 +95,10 @@ def scheduler_command(kv_budget=None, port: int = 8786) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def kv_runtime(target=None, **runtime_kwargs):
+def kv_runtime(target=None, security=None, **runtime_kwargs):
     """A KVRuntime on ``target``: a Client, a cluster object, a scheduler address, or None
-    (a new local_cluster, closed with the client). Keyword arguments go to KVRuntime."""
+    (a new local_cluster, closed with the client). ``security`` for TLS (see local_cluster);
+    other keyword arguments go to KVRuntime."""
     from distributed import Client
 
     from .kv_runtime import KVRuntime
@@ -98,12 +106,12 @@ def kv_runtime(target=None, **runtime_kwargs):
     if isinstance(target, Client):
         client = target
     elif isinstance(target, str):
-        client = connect(target)
+        client = connect(target, security=security)
     elif target is not None:
-        client = Client(target)
+        client = Client(target, security=security or getattr(target, "security", None))
     else:
-        cluster = local_cluster()
-        client = Client(cluster)
+        cluster = local_cluster(security=security)
+        client = Client(cluster, security=security)
         client._daskflow_owned_cluster = cluster
     return KVRuntime(client, **runtime_kwargs)
 
@@ -123,16 +131,19 @@ def embedded_runtime(
     memory_limit: str | int | None = None,
     dashboard_address: str | None = None,
     kv_budget: str | int | None = None,
+    security=None,
     **runtime_kwargs,
 ) -> Iterator:
-    """A local cluster, a client and a KVRuntime for the length of a ``with`` block."""
+    """A local cluster, a client and a KVRuntime for the length of a ``with`` block
+    (``security``: TLS everywhere, see local_cluster)."""
     from distributed import Client
 
     from .kv_runtime import KVRuntime
 
     with (
-        local_cluster(n_workers, threads_per_worker, memory_limit, dashboard_address, kv_budget) as cluster,
-        Client(cluster) as client,
+        local_cluster(n_workers, threads_per_worker, memory_limit, dashboard_address, kv_budget,
+                      security=security) as cluster,
+        Client(cluster, security=security) as client,
     ):
         yield KVRuntime(client, **runtime_kwargs)
 

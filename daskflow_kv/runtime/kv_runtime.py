@@ -16,6 +16,7 @@ computed, or released but still in lineage) is acquired, not resubmitted.
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,13 +25,17 @@ import dask
 from distributed import Client, Future, wait
 
 from .. import config
+from ..dask_internals import hold_futures
+from .session import login
 from ..model.text_codec import TextCodec
 from ..state import compat
 from ..state.blocks import (
     BlockRef,
     aligned_floor,
     block_key,
+    chain_keys,
     common_prefix_len,
+    keyed_digest,
     split_spans,
 )
 from ..policy.cost_model import Decision, NeedsCalibration, explain
@@ -90,12 +95,17 @@ class _Match:
     """A cached prefix whose blocks this client now holds futures for."""
 
     tokens: int  # leading tokens the blocks cover
-    blocks: list[dict]  # the plugin's rows: key, start, end, nbytes, tokens, who_has, where, state
+    blocks: list[dict]  # the plugin's rows: key, start, end, nbytes, who_has, where, state
     futures: dict[str, Future]  # key -> future, one per block
+    request: Sequence[int] = ()  # the tokens looked up (the blocks' tokens, up to ``tokens``)
 
     def kept(self, upto: int) -> list[tuple[BlockRef, Future]]:
-        """Whole blocks ending at or before ``upto``: they enter the new state unchanged."""
-        return [(_ref(b), self.futures[b["key"]]) for b in self.blocks if b["end"] <= upto]
+        """Whole blocks ending at or before ``upto``: they enter the new state unchanged.
+
+        Their tokens are the request's own: the plugin never sends a block's token ids.
+        """
+        return [(BlockRef(b["key"], b["start"], tuple(self.request[b["start"]:b["end"]]), b["nbytes"]),
+                 self.futures[b["key"]]) for b in self.blocks if b["end"] <= upto]
 
     def plan_input(self) -> dict:
         return {"tokens": self.tokens, "blocks": self.blocks}
@@ -112,7 +122,11 @@ class KVRuntime(TextCodec):
         device: str = "cpu",
         kv_budget_bytes: int | str | None = None,
         memory_weight: float | None = None,
+        secret: str | None = None,
     ):
+        """``namespace``/``secret``: the tenant this runtime acts for (default: dask.config's
+        ``daskflow-kv.namespace`` / ``daskflow-kv.secret``). Blocks are found, shared and
+        listed only inside the namespace, under keys nobody without its secret can compute."""
         from ..model.zoo.loader import load_tokenizer
         from ..plugins.kv_dashboard import KVDashboardPlugin
         from ..plugins.kv_scheduler import KVSchedulerPlugin
@@ -126,9 +140,12 @@ class KVRuntime(TextCodec):
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
         client.register_plugin(KVSchedulerPlugin())
         client.register_plugin(KVDashboardPlugin())  # /kv page, its JSON, KV series in /metrics
+        self.session = login(client, self.spec.namespace, secret)
         if kv_budget_bytes is not None or memory_weight is not None:  # explicit arguments win over config
             self.configure(kv_budget_bytes=config.get_bytes("kv-budget", kv_budget_bytes), memory_weight=memory_weight)
         self.facts: tasks.ModelFacts = client.submit(tasks.model_facts, self.spec, pure=False).result()
+        # Seeds every block key: HMAC of the fingerprint with the namespace's secret.
+        self.key_digest = keyed_digest(self.facts.fingerprint.digest, config.get("secret", secret))
         self.tokenizer = load_tokenizer(model)
         self.bandwidth_override: float | None = None  # bytes/s for every pair (what-if, tests)
         self.prefill_override = None  # a PrefillProfile for every worker (what-if, tests)
@@ -136,7 +153,8 @@ class KVRuntime(TextCodec):
 
     # -- plumbing -------------------------------------------------------------------------
     def _rpc(self, name: str, **kwargs):
-        return self.client.sync(getattr(self.client.scheduler, name), **kwargs)
+        """A call to the KV plugin, on behalf of this runtime's session."""
+        return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
 
     @property
     def fingerprint(self):
@@ -160,27 +178,16 @@ class KVRuntime(TextCodec):
 
     # -- block references -------------------------------------------------------------------
     def _hold(self, keys) -> dict[str, Future]:
-        """Futures for keys the plugin has just acquired for this client.
-
-        The plugin already added this client to the keys' wanters. Announcing them again on
-        the client's ordered stream makes the scheduler report their state to the futures
-        created here (a report sent before they existed would be dropped), and overrides a
-        release of an older future of the same key that was still in flight.
-        """
-        futures = {k: Future(k, self.client) for k in keys}
-        if futures:
-            self.client._send_to_scheduler({"op": "client-desires-keys", "keys": list(futures)})
-        return futures
+        """Futures for keys the plugin has just acquired for this client."""
+        return hold_futures(self.client, keys)
 
     def _lookup(self, tokens: Sequence[int]) -> _Match:
-        ans = self._rpc(
-            "kv_lookup",
-            fingerprint=self.fingerprint.digest,
-            tokens=list(tokens),
-            block_size=self.block_size,
-            client=self.client.id,
-        )
-        return _Match(ans["tokens"], ans["blocks"], self._hold(b["key"] for b in ans["blocks"]))
+        """The longest cached prefix of ``tokens`` in this namespace, asked by its own chain keys."""
+        full = aligned_floor(len(tokens), self.block_size)
+        keys = [k for k, _, _ in chain_keys(self.key_digest, tokens[:full], self.block_size)]
+        ans = self._rpc("kv_lookup", root=self.key_digest, keys=keys, tokens=list(tokens),
+                        block_size=self.block_size, client=self.client.id)
+        return _Match(ans["tokens"], ans["blocks"], self._hold(b["key"] for b in ans["blocks"]), tokens)
 
     def _publish(self, make: Callable[[int], tuple], tokens, kept, spans, sid: str, worker: str | None) -> tuple:
         """The state's blocks: ``kept`` (ref, future) pairs, then one key per new span.
@@ -194,14 +201,15 @@ class KVRuntime(TextCodec):
         parent = refs[-1].key if refs else None
         planned = []
         for s, e in spans:
-            key = block_key(self.fingerprint.digest, parent, tokens[s:e])
+            key = block_key(self.key_digest, parent, tokens[s:e])
             planned.append((BlockRef(key, s, tuple(tokens[s:e]), (e - s) * self.facts.bytes_per_token), parent))
             parent = key
         known = self._rpc("kv_acquire", keys=[r.key for r, _ in planned], client=self.client.id) if planned else {}
         held = self._hold(known)
         for i, (ref, parent) in enumerate(planned):
             if ref.key not in held:
-                with dask.annotate(kv={"role": "block", "meta": self._block_meta(ref, parent, sid)}):
+                with dask.annotate(kv={"role": "block", "session": self.session.token,
+                                       "meta": self._block_meta(ref, parent, sid)}):
                     held[ref.key] = self._submit_near(worker, *make(i), key=ref.key)
             refs.append(ref)
             futures.append(held[ref.key])
@@ -226,6 +234,7 @@ class KVRuntime(TextCodec):
             "tokens": list(ref.token_ids),
             "parent": parent,
             "fingerprint": self.fingerprint.digest,
+            "root": self.key_digest,
             "state_id": state_id,
             "device": self.spec.device,
         }
@@ -267,24 +276,26 @@ class KVRuntime(TextCodec):
             self.decisions.append(p.decision)
 
     def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
-        return self._compute_task(tasks.prefill, req, inputs, f"kvprefill-{req.op}-{req.state_id}", req.op,
+        return self._compute_task(tasks.prefill, req, inputs, _task_key(f"kvprefill-{req.op}", req.state_id), req.op,
                                   req.state_id, worker, reads, placement)
 
     def _batch_task(self, breq: tasks.BatchPrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
         """One ``prefill_batch`` for several branches of one prefix on one worker."""
-        return self._compute_task(tasks.prefill_batch, breq, inputs, f"kvprefill-{breq.op}-{breq.batch_id}",
+        return self._compute_task(tasks.prefill_batch, breq, inputs, _task_key(f"kvprefill-{breq.op}", breq.batch_id),
                                   breq.op, breq.batch_id, worker, reads, placement,
                                   branches=[r.state_id for r in breq.requests])
 
     def _compute_task(self, fn, req, inputs, key, op, state_id, worker, reads=(), placement=None, **extra) -> Future:
         note = {
             "role": "compute",
+            "session": self.session.token,
             "op": op,
             "state_id": state_id,
             "target": worker,
             "reads": list(reads),
             "decision": None if placement is None else placement.decision_dict(),
             "first": bool(placement is not None and placement.first),
+            "kv_out": self._out_bytes(req),  # what the task adds to its worker (admission, see kv_budget)
             **extra,
         }
         with dask.annotate(kv=note):
@@ -297,6 +308,13 @@ class KVRuntime(TextCodec):
                 workers=[worker] if worker else None,  # strict; the plugin loosens it if worker dies
                 pure=False,
             )
+
+    def _out_bytes(self, req) -> int:
+        """KV bytes a prefill's output blocks can hold at most: from the aligned floor of what
+        it reuses to the end of its prompt and generation."""
+        reqs = req.requests if isinstance(req, tasks.BatchPrefillRequest) else (req,)
+        return sum((len(r.tokens) + r.max_new_tokens - aligned_floor(r.reused, self.block_size))
+                   * self.facts.bytes_per_token for r in reqs)
 
     def _inputs(self, match: _Match, p: Placement, tokens, replicas: dict) -> tuple[list, list[str]]:
         """(prefix block futures, keys read from the cache) for a consumer placed by ``p``."""
@@ -313,7 +331,8 @@ class KVRuntime(TextCodec):
         sid = new_state_id("recompute")
         out = self._prefill_task(tasks.PrefillRequest(tuple(tokens), 0, op="recompute", state_id=sid), [], worker)
         n = -(-len(tokens) // self.block_size)
-        return tuple(self._submit_near(worker, tasks.take_block, out, i, key=f"kvreplica-{sid}-{i}") for i in range(n))
+        return tuple(self._submit_near(worker, tasks.take_block, out, i, key=_task_key(f"kvreplica-{sid}", i))
+                     for i in range(n))
 
     def materialize(self, tokens: Sequence[int] | str, worker: str | None = None) -> DistKVState:
         """Prefill ``tokens`` once on a worker (reusing any cached prefix, on any worker)."""
@@ -435,11 +454,12 @@ class KVRuntime(TextCodec):
             breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{sids[idxs[0]]}")
             out = self._batch_task(breq, inputs, p.worker, reads, first)
             for j, i in enumerate(idxs):
-                outputs[i] = self._submit_near(p.worker, tasks.take_branch, out, j, key=f"kvprefill-branch-{sids[i]}")
+                outputs[i] = self._submit_near(p.worker, tasks.take_branch, out, j,
+                                               key=_task_key("kvprefill-branch", sids[i]))
             del out  # the branch outputs hold the batch now; Dask frees it once they are computed
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
         results = self.client.gather([
-            self._submit_near(p.worker, tasks.take_result, out, key=f"kvresult-{sid}")
+            self._submit_near(p.worker, tasks.take_result, out, key=_task_key("kvresult", sid))
             for out, (_, p), sid in zip(outputs, plans, sids)
         ])
 
@@ -520,5 +540,10 @@ class KVRuntime(TextCodec):
         return calibrate(self, probe_bytes, probe_tokens)
 
 
-def _ref(b: dict) -> BlockRef:
-    return BlockRef(b["key"], b["start"], tuple(b["tokens"]), b["nbytes"])
+def _task_key(kind: str, ident) -> str:
+    """Key of a task whose result holds K/V (a prefill's output, a replica block).
+
+    Dask serves any key to any client that names it; the random tail keeps these from being
+    named by whoever read the state id in an event or on the dashboard.
+    """
+    return f"{kind}-{ident}-{secrets.token_hex(8)}"

@@ -12,6 +12,14 @@ WORKER_PRELOAD = "daskflow_kv.runtime.serialization"
 KV_AMM_POLICY = "daskflow_kv.plugins.kv_scheduler.KVAwareReduceReplicas"
 
 
+def comm_protocol(security=None) -> str:
+    """tls:// when a ``distributed.Security`` with certificates is given, else tcp://."""
+    if security is not None and (getattr(security, "tls_ca_file", None) or getattr(security, "require_encryption",
+                                                                                    False)):
+        return "tls://"
+    return "tcp://"
+
+
 def kv_dask_config() -> dict:
     """Dask config a KV cluster's scheduler must start with (AMM that keeps KV replicas)."""
     return {"distributed.scheduler.active-memory-manager.policies": [{"class": KV_AMM_POLICY}]}

@@ -20,10 +20,24 @@ comm layer to run near bandwidth; an 8K context is 128 keys).
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Sequence
 
 _ROOT = "root"  # the parent key of a state's first block
+
+
+def keyed_digest(fingerprint_digest: str, secret: str | None) -> str:
+    """The digest that seeds a tenant's block keys: HMAC(secret, fingerprint digest).
+
+    Without the secret nobody can compute the keys of a known prompt, so a second user of
+    the scheduler can neither guess another tenant's keys nor confirm that a prompt is
+    cached. No secret (a single trust domain) leaves the digest as it is.
+    """
+    if secret is None:
+        return fingerprint_digest
+    msg = b"daskflow-kv/block-keys/v1|" + fingerprint_digest.encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()[:32]
 
 
 def block_key(fingerprint_digest: str, parent_key: str | None, token_ids: Sequence[int]) -> str:

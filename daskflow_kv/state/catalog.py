@@ -37,6 +37,7 @@ class BlockEntry:
     parent: str | None  # previous block in the chain
     fingerprint: str  # fingerprint digest (model, tokenizer, dtype, namespace)
     state_id: str  # state that first produced it (lineage)
+    namespace: str = ""  # the tenant whose client published it; only that tenant sees it
     device: str = "cpu"  # where the tensor lives on its worker
     created: float = field(default_factory=time.time)
     last_access: float = field(default_factory=time.time)  # last time a task read it
@@ -54,6 +55,7 @@ class StateEntry:
     parents: tuple[str, ...]
     tokens: int
     worker: str | None
+    namespace: str = ""  # the tenant whose client registered it
     created: float = field(default_factory=time.time)
     status: str = "live"  # live | released
 
@@ -76,8 +78,12 @@ class KVCatalog:
         }
 
     # -- blocks ---------------------------------------------------------------------------
-    def add_block(self, meta: dict) -> BlockEntry:
-        """A task producing this block was submitted (new, or again after it was forgotten)."""
+    def add_block(self, meta: dict, namespace: str = "") -> BlockEntry:
+        """A task producing this block was submitted (new, or again after it was forgotten).
+
+        ``meta["root"]``: the digest that seeded the block's key (see ``blocks.keyed_digest``),
+        under which first blocks hang in the prefix index.
+        """
         key = meta["key"]
         entry = self.blocks.get(key)
         if entry is None:
@@ -89,12 +95,13 @@ class KVCatalog:
                 meta.get("parent"),
                 meta["fingerprint"],
                 meta.get("state_id", ""),
+                namespace,
                 device=meta.get("device", "cpu"),
             )
         elif entry.status == "forgotten":
             entry.status = "pending"
         ref = BlockRef(key, meta["start"], tuple(meta["tokens"]), meta["nbytes"])
-        self.index.add(ref, meta.get("parent"), meta["fingerprint"])
+        self.index.add(ref, meta.get("parent"), meta.get("root", meta["fingerprint"]))
         return entry
 
     def set_status(self, key: str, status: str) -> None:
@@ -132,11 +139,18 @@ class KVCatalog:
             entry.last_access = now or time.time()
             entry.reuse_count += 1
 
-    def lookup(self, fingerprint: str, tokens, block_size: int) -> PrefixMatch:
-        return self.index.longest_prefix(fingerprint, tokens, block_size)
+    def lookup(self, root: str, keys, tokens, block_size: int, namespace: str | None = None) -> PrefixMatch:
+        """Longest cached prefix of a request given as its own chain ``keys`` and ``tokens``;
+        only ``namespace``'s blocks count (None: every namespace, for an admin)."""
+        allowed = None if namespace is None else (lambda b: self.blocks[b.key].namespace == namespace)
+        return self.index.match(root, keys, tokens, block_size, allowed)
+
+    def namespace_of(self, key: str) -> str | None:
+        entry = self.blocks.get(key)
+        return None if entry is None else entry.namespace
 
     # -- states ---------------------------------------------------------------------------
-    def add_state(self, meta: dict) -> None:
+    def add_state(self, meta: dict, namespace: str = "") -> None:
         st = StateEntry(
             meta["state_id"],
             tuple(meta["block_keys"]),
@@ -144,6 +158,7 @@ class KVCatalog:
             tuple(meta.get("parents", ())),
             meta.get("tokens", 0),
             meta.get("worker"),
+            namespace,
         )
         self.states[st.state_id] = st
         for key in st.block_keys:
@@ -176,21 +191,27 @@ class KVCatalog:
         self.counters[name] = self.counters.get(name, 0) + value
 
     # -- export ---------------------------------------------------------------------------
-    def rows(self, who_has: dict[str, list[str]], refcount: dict[str, int], cached: set[str]) -> list[dict]:
-        """One row per (state, block), plus one per block no state lists."""
+    def rows(self, who_has: dict[str, list[str]], refcount: dict[str, int], cached: set[str],
+             namespace: str | None = None) -> list[dict]:
+        """One row per (state, block), plus one per block no state lists; only ``namespace``'s
+        (None: all of them)."""
         out = []
         listed = set()
         for st in self.states.values():
+            if namespace is not None and st.namespace != namespace:
+                continue
             for key in st.block_keys:
                 listed.add(key)
                 out.append(self._row(st, key, who_has, refcount, cached))
         for key in self.blocks.keys() - listed:
-            out.append(self._row(None, key, who_has, refcount, cached))
+            if namespace is None or self.blocks[key].namespace == namespace:
+                out.append(self._row(None, key, who_has, refcount, cached))
         return out
 
     def _row(self, st: StateEntry | None, key, who_has, refcount, cached) -> dict:
         b = self.blocks.get(key)
         return {
+            "namespace": (st.namespace if st is not None else "") if b is None else b.namespace,
             "state_id": "" if st is None else st.state_id,
             "state_status": "" if st is None else st.status,
             "state_op": "" if st is None else st.op,
@@ -213,6 +234,7 @@ class KVCatalog:
 
 
 ARROW_COLUMNS = (
+    ("namespace", "string"),
     ("state_id", "string"),
     ("state_status", "string"),
     ("state_op", "string"),

@@ -1,10 +1,14 @@
 """Longest cached prefix by a radix walk over chained block keys. Pure: no tensors.
 
-Full blocks are found by recomputing the request's chain keys and looking each one up
-(O(blocks) hashes, no string compare). Past the last full match, the children of the
-matched block are scanned for the one sharing the most leading tokens with the request:
-its K/V up to that point are exact too (causal attention), so a prefix can be reused to
-the token, not only to the block.
+Full blocks are found by the request's chain keys, looked up one by one (O(blocks)
+hashes, no string compare). Past the last full match, the children of the matched block
+are scanned for the one sharing the most leading tokens with the request: its K/V up to
+that point are exact too (causal attention), so a prefix can be reused to the token, not
+only to the block.
+
+The caller computes the chain keys (``blocks.chain_keys``) from its own tokens and the
+digest that seeds its keys, so the index never needs a tenant's secret: it only compares
+keys it was given with keys it holds.
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .blocks import BlockRef, block_key, common_prefix_len
+from .blocks import BlockRef, aligned_floor, chain_keys, common_prefix_len
 
 
 
-def _root(fingerprint_digest: str) -> str:
-    # First blocks hang under a per-fingerprint root, so one model never matches another's.
-    return f"root:{fingerprint_digest}"
+def _root(key_digest: str) -> str:
+    # First blocks hang under a root per key digest (model, tokenizer, dtype, namespace and
+    # the tenant's secret), so one never matches another's.
+    return f"root:{key_digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,19 +68,29 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def longest_prefix(self, fingerprint_digest: str, tokens: Sequence[int], block_size: int) -> PrefixMatch:
+    def longest_prefix(self, key_digest: str, tokens: Sequence[int], block_size: int) -> PrefixMatch:
+        """The longest cached prefix of ``tokens`` under ``key_digest``."""
+        full = aligned_floor(len(tokens), block_size)
+        return self.match(key_digest, [k for k, _, _ in chain_keys(key_digest, tokens[:full], block_size)], tokens,
+                          block_size)
+
+    def match(self, key_digest: str, keys: Sequence[str], tokens: Sequence[int], block_size: int,
+              allowed=None) -> PrefixMatch:
+        """Walk the request's full-block ``keys`` (its chain, in order), then match its ``tokens``
+        past them against the cached children, token by token. ``allowed(block)`` filters."""
         blocks: list[BlockRef] = []
         parent: str | None = None
-        pos = 0
-        while pos + block_size <= len(tokens):
-            key = block_key(fingerprint_digest, parent, tokens[pos : pos + block_size])
+        for key in keys:
             block = self._by_key.get(key)
-            if block is None:
+            if block is None or (allowed is not None and not allowed(block)):
                 break
             blocks.append(block)
-            parent, pos = key, pos + block_size
+            parent = key
+        pos = len(blocks) * block_size
         best, best_len = None, 0
-        for child in self._children.get(parent or _root(fingerprint_digest), {}).values():
+        for child in self._children.get(parent or _root(key_digest), {}).values():
+            if allowed is not None and not allowed(child):
+                continue
             n = common_prefix_len(child.token_ids, tokens[pos:])
             if n > best_len:
                 best, best_len = child, n

@@ -1,0 +1,142 @@
+"""Every piece of Dask daskflow-kv uses that has no public form, in one place.
+
+Public API is used everywhere it exists (``SchedulerPlugin`` hooks, ``Client.register_plugin``,
+``Scheduler.set_restrictions``, ``TaskState``/``WorkerState`` attributes a plugin reads). What
+remains is below, one small function per assumption, and ``tests/test_dask_internals.py``
+checks each one against the installed distributed: an upgrade that breaks one fails there,
+with its name, instead of somewhere deep in a workflow. pyproject.toml pins distributed to
+the range those tests passed on, and CI runs them on its oldest and newest release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+from distributed import Future
+from distributed.scheduler import ClientState
+
+
+# -- client side ------------------------------------------------------------------------------
+def hold_futures(client, keys: Iterable) -> dict:
+    """Futures for keys the scheduler has just made ``client`` want (``want`` below).
+
+    Distributed builds futures for keys it did not submit the same way (``Variable.get``).
+    Asking again on the client's ordered stream (the message ``fire_and_forget`` sends)
+    makes the scheduler report each key's state to the futures that now exist - a report
+    sent before they existed would be dropped - and overrides a release of an older
+    future of the same key still in flight.
+    """
+    futures = {k: Future(k, client) for k in keys}
+    if futures:
+        client._send_to_scheduler({"op": "client-desires-keys", "keys": list(futures)})
+    return futures
+
+
+# -- scheduler side -----------------------------------------------------------------------------
+def add_handlers(scheduler, handlers: Mapping) -> None:
+    """RPC handlers a client reaches with ``client.scheduler.<name>(...)``, as extensions add theirs."""
+    scheduler.handlers.update(handlers)
+
+
+def ensure_client(scheduler, name: str) -> None:
+    """A scheduler-side pseudo-client that can want keys (Variable/Queue/publish use the same)."""
+    scheduler.clients.setdefault(name, ClientState(name))
+
+
+def want(scheduler, keys: Collection, client: str) -> None:
+    """``client`` wants ``keys``: Dask keeps them (and recomputes them if lost) until released."""
+    scheduler.client_desires_keys(list(keys), client)
+
+
+def unwant(scheduler, keys: Collection, client: str, stimulus_id: str) -> None:
+    scheduler.client_releases_keys(list(keys), client, stimulus_id=stimulus_id)
+
+
+def pin(scheduler, ts, worker: str) -> None:
+    """Run ``ts`` on ``worker`` only, while that worker lives (no stealing, no other worker).
+
+    ``set_restrictions`` is public (the P2P shuffle's plugin uses it); strictness is the
+    ``loose_restrictions`` flag, which has no setter.
+    """
+    scheduler.set_restrictions({ts.key: {worker}})
+    ts.loose_restrictions = False
+
+
+def loosen(ts) -> None:
+    """Let ``ts`` run elsewhere when its workers are gone (Dask then recomputes its inputs)."""
+    ts.loose_restrictions = True
+
+
+def is_strict(ts) -> bool:
+    return bool(ts.worker_restrictions) and not ts.loose_restrictions
+
+
+def recompute(scheduler, keys: Collection, stimulus_id: str) -> None:
+    """Bring released keys back (released -> waiting): Dask recomputes them from lineage."""
+    scheduler.transitions({k: "waiting" for k in keys}, stimulus_id=stimulus_id)
+
+
+def reschedule(scheduler, keys: Collection, stimulus_id: str) -> None:
+    """Tasks stuck in no-worker whose restrictions were loosened: schedule them now."""
+    scheduler.transitions({k: "processing" for k in keys}, stimulus_id=stimulus_id)
+
+
+def fail_task(scheduler, key, exc: BaseException, stimulus_id: str) -> None:
+    """Err a task that never ran (parked in no-worker) with ``exc``: its futures raise it.
+
+    The same transition a worker's error report takes, fed with our exception; there is no
+    public way to fail a task from the scheduler.
+    """
+    from distributed.protocol.serialize import to_serialize
+
+    recs, client_msgs, worker_msgs = scheduler._transition(
+        key, "erred", stimulus_id, cause=key, exception=to_serialize(exc), traceback=None,
+        exception_text=f"{type(exc).__name__}: {exc}", traceback_text="",
+    )
+    scheduler._transitions(recs, client_msgs, worker_msgs, stimulus_id)
+    scheduler.send_all(client_msgs, worker_msgs)
+
+
+def drop_replica(scheduler, worker: str, keys: Collection, stimulus_id: str) -> None:
+    """Forget ``worker``'s copy of keys other workers also hold (what the AMM asks for)."""
+    scheduler.request_remove_replicas(worker, list(keys), stimulus_id=stimulus_id)
+
+
+def link_bandwidths(scheduler) -> dict[tuple[str, str], float]:
+    """Dask's running estimate per worker pair, as {(sender, receiver): bytes/s}.
+
+    ``Scheduler.bandwidth_workers`` is keyed (receiver, sender): each worker reports the
+    bandwidth of what it fetched from every other one.
+    """
+    return {(src, dst): bw for (dst, src), bw in scheduler.bandwidth_workers.items()}
+
+
+def replace_amm_policy(scheduler, old_type: type, new) -> bool:
+    """Swap the Active Memory Manager's ``old_type`` policy for ``new``; False without an AMM."""
+    amm = scheduler.extensions.get("amm")
+    if amm is None:
+        return False
+    for policy in list(amm.policies):
+        if type(policy) is old_type:
+            amm.policies.discard(policy)
+            amm.add_policy(new)
+    return True
+
+
+# -- worker side --------------------------------------------------------------------------------
+def incoming_transfers(worker) -> list[dict]:
+    """The worker's record of what it fetched: start, stop, duration, total bytes, keys, who."""
+    return list(worker.transfer_incoming_log)
+
+
+def clear_incoming_transfers(worker) -> None:
+    worker.transfer_incoming_log.clear()
+
+
+def in_memory(worker):
+    """The worker's results that are in memory now (not spilled): a key -> value mapping.
+
+    ``Worker.data`` is a plain dict, or a zict Buffer whose ``fast`` part is what is in
+    memory; reading a spilled key through ``data`` would load it back from disk.
+    """
+    return getattr(worker.data, "fast", worker.data)

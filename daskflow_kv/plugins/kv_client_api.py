@@ -1,0 +1,163 @@
+"""The RPCs a KVRuntime calls (``client.scheduler.kv_*``), each scoped to the caller's tenant.
+
+A client first answers a challenge (``kv_challenge`` / ``kv_login``, see ``tenants``) and
+passes the session token it gets on every call. What a session sees and changes:
+
+* lookup and acquire: only its namespace's blocks. A lookup takes the caller's own chain
+  keys and tokens and answers with a count and block keys - never another block's token
+  ids, so a cached prompt cannot be read back through it;
+* catalog rows, lifecycle events and cost-model decisions: its namespace's (admin: all);
+* release: only its own states;
+* the global budget, the memory weight and forced eviction: admin only, since they change
+  what every tenant keeps.
+
+A mixin of ``KVSchedulerPlugin``: it uses the plugin's catalog, events and budget state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .tenants import AccessDenied, Session
+
+RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
+             "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now")
+
+
+class KVClientAPI:
+    def client_handlers(self) -> dict:
+        return {name: getattr(self, "handle_" + name.removeprefix("kv_")) for name in RPC_NAMES}
+
+    def _session(self, session: str | None) -> Session:
+        return self.tenants.session(session)
+
+    def _admin(self, session: str | None, what: str) -> Session:
+        s = self._session(session)
+        if not s.is_admin:
+            raise AccessDenied(f"{what} changes what every tenant keeps: it needs the admin role "
+                               f"(namespace {s.namespace!r} has the user role)")
+        return s
+
+    # -- identity ---------------------------------------------------------------------------------
+    def handle_challenge(self) -> str:
+        return self.tenants.challenge()
+
+    def handle_login(self, namespace: str = "", nonce: str | None = None, proof: str | None = None,
+                     client: str | None = None) -> dict:
+        s = self.tenants.login(namespace, nonce, proof, client)
+        return {"session": s.token, "namespace": s.namespace, "role": s.role, "open": self.tenants.open}
+
+    # -- reuse --------------------------------------------------------------------------------------
+    def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
+                      client: str | None = None) -> dict:
+        """Longest cached prefix of the caller's request, acquired for ``client`` before this returns.
+
+        ``keys``: the request's own chain keys (full blocks), ``tokens``: its tokens (for a
+        cached block that continues them only in part). Answers with how many leading tokens
+        are covered and the blocks to read: keys, spans, sizes, where they are.
+        """
+        s = self._session(session)
+        match = self.catalog.lookup(root, keys, tokens, block_size, None if s.is_admin else s.namespace)
+        usable = []
+        for b in match.blocks:  # stop at the first block Dask cannot give back
+            ts = self.scheduler.tasks.get(b.key)
+            if ts is None or ts.state in self.NOT_USABLE:
+                break
+            usable.append(b)
+        covered = match.tokens if len(usable) == len(match.blocks) else (usable[-1].end if usable else 0)
+        states = self._acquire([b.key for b in usable], client)
+        blocks = []
+        for b in usable:
+            ts = self.scheduler.tasks[b.key]
+            blocks.append({
+                "key": b.key,
+                "start": b.start,
+                "end": b.end,
+                "nbytes": b.nbytes,
+                "who_has": sorted(ws.address for ws in (ts.who_has or ())),
+                "where": self._where(ts),
+                "state": states.get(b.key, ts.state),
+            })
+        return {"tokens": covered, "blocks": blocks}
+
+    def handle_acquire(self, session: str, keys: list[str], client: str | None = None) -> dict[str, str]:
+        """Take a reference to blocks the caller already knows by key (its own namespace only)."""
+        s = self._session(session)
+        mine = [k for k in keys if k in self.catalog.blocks and s.sees(self.catalog.namespace_of(k))]
+        return self._acquire(mine, client)
+
+    def handle_snapshot(self, session: str) -> dict:
+        """What the planner needs: workers and their load, links, prefill profiles. No user data."""
+        s = self._session(session)
+        sch = self.scheduler
+        kv_bytes = self.kv_bytes_by_worker()
+        return {
+            "workers": {
+                addr: {"nthreads": ws.nthreads, "processing": len(ws.processing), "kv_bytes": kv_bytes[addr],
+                       "occupancy": ws.occupancy}
+                for addr, ws in sch.workers.items()
+            },
+            "bandwidth": self.bandwidth(s.namespace),
+            "default_bandwidth": sch.bandwidth,
+            "prefill_profiles": self.prefill_profiles(),
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "memory_weight": self.memory_weight,
+        }
+
+    async def handle_register_states(self, session: str, metas: list[dict], timeout: float = 10.0) -> None:
+        """Record the caller's states, once the scheduler knows all their blocks.
+
+        The client submits block tasks over its batched stream and calls this over RPC,
+        which can overtake them; waiting here means that once an operation returns, every
+        later lookup (from any client of the namespace) sees its blocks.
+        """
+        s = self._session(session)
+        keys = {k for m in metas for k in m["block_keys"]}
+        deadline = time.time() + timeout
+        while not keys <= self.scheduler.tasks.keys() and time.time() < deadline:
+            await asyncio.sleep(0.002)
+        for meta in metas:
+            self.catalog.add_state(meta, s.namespace)
+            self._event(meta.get("op", "state"), s.namespace, state_id=meta["state_id"],
+                        parents=list(meta.get("parents", ())), blocks=len(meta["block_keys"]),
+                        tokens=meta.get("tokens", 0), worker=meta.get("worker"),
+                        **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
+
+    def handle_release_state(self, session: str, state_id: str) -> None:
+        s = self._session(session)
+        st = self.catalog.states.get(state_id)
+        if st is None:
+            return
+        if not s.sees(st.namespace):
+            raise AccessDenied(f"state {state_id} is not one of namespace {s.namespace!r}'s")
+        self.catalog.release_state(state_id)
+        self._dirty = True
+        self._event("release", st.namespace, state_id=state_id)
+
+    # -- views ----------------------------------------------------------------------------------
+    def handle_catalog(self, session: str) -> list[dict]:
+        s = self._session(session)
+        return self.catalog_rows(None if s.is_admin else s.namespace)
+
+    def handle_counters(self, session: str) -> dict:
+        s = self._session(session)
+        return self.counters_view(None if s.is_admin else s.namespace)
+
+    def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float) -> None:
+        """A calibration probe's figure, used for this namespace's plans (others keep theirs)."""
+        s = self._session(session)
+        self.probed_bandwidth[(s.namespace, src, dst)] = float(bandwidth)
+
+    # -- knobs that affect everyone ---------------------------------------------------------------
+    def handle_configure(self, session: str, kv_budget_bytes=None, memory_weight=None, unset_budget=False) -> None:
+        self._admin(session, "the KV budget and memory weight")
+        if kv_budget_bytes is not None or unset_budget:
+            self.kv_budget_bytes = kv_budget_bytes
+        if memory_weight is not None:
+            self.memory_weight = memory_weight
+        self._enforce_budgets(force=True)  # a lower budget applies now, not at the next tick
+
+    def handle_evict_now(self, session: str) -> list[str]:
+        self._admin(session, "forced eviction")
+        return self._enforce_budgets(force=True)

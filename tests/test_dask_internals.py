@@ -1,0 +1,148 @@
+"""One test per Dask internal daskflow-kv relies on (daskflow_kv/dask_internals.py).
+
+Each runs against a real 2-worker LocalCluster; if a distributed release changes one of
+these behaviours, the failure names the assumption.
+"""
+
+import time
+
+import numpy as np
+from distributed import Client, Event, get_worker, wait
+
+from daskflow_kv import dask_internals as di
+from daskflow_kv.plugins.kv_scheduler import CACHE_CLIENT, KVAwareReduceReplicas
+
+
+def _until(pred, timeout=15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def _state(client, key):
+    return client.run_on_scheduler(lambda dask_scheduler: getattr(dask_scheduler.tasks.get(key), "state", None))
+
+
+def _where():
+    return get_worker().address
+
+
+def test_futures_for_keys_another_client_submitted(cluster, client):
+    """want() + hold_futures(): a second client gets a working future, which keeps the key alive."""
+    x = client.submit(lambda: 41 + 1, key="internals-held", pure=False)
+    wait(x)
+    with Client(cluster) as other:
+        client.run_on_scheduler(lambda dask_scheduler, cid: di.want(dask_scheduler, ["internals-held"], cid),
+                                cid=other.id)
+        held = di.hold_futures(other, [x.key])
+        assert held[x.key].result(timeout=10) == 42
+        del x  # the submitting client lets go; the other still holds it
+        time.sleep(0.5)
+        assert _state(client, "internals-held") == "memory"
+        assert held["internals-held"].result(timeout=10) == 42
+
+
+def test_pin_holds_a_task_to_its_worker_and_loosen_lets_it_go(client, workers):
+    a, b = workers
+    gate = Event("internals-gate")
+    first = client.submit(lambda: Event("internals-gate").wait(30), key="internals-gate-task", workers=[a],
+                          pure=False)
+    second = client.submit(lambda _: _where(), first, key="internals-pinned", pure=False)
+    _until(lambda: _state(client, "internals-pinned") == "waiting")
+
+    def pin(dask_scheduler, target):
+        ts = dask_scheduler.tasks["internals-pinned"]
+        di.pin(dask_scheduler, ts, target)
+        return di.is_strict(ts), sorted(ts.worker_restrictions)
+
+    assert client.run_on_scheduler(pin, target=b) == (True, [b])
+    gate.set()
+    assert second.result(timeout=20) == b
+
+    # Pinned to a worker that does not exist: stuck in no-worker until loosened and rescheduled.
+    third = client.submit(_where, key="internals-stranded", workers=["tcp://127.0.0.1:9"], pure=False)
+    assert _until(lambda: _state(client, "internals-stranded") == "no-worker")
+
+    def free(dask_scheduler):
+        ts = dask_scheduler.tasks["internals-stranded"]
+        di.loosen(ts)
+        di.reschedule(dask_scheduler, ["internals-stranded"], "test-reschedule")
+        return di.is_strict(ts)
+
+    assert client.run_on_scheduler(free) is False
+    assert third.result(timeout=20) in (a, b)
+
+
+def test_recompute_brings_a_released_key_back(client):
+    x = client.submit(lambda: np.arange(10), key="internals-x", pure=False)
+    y = client.submit(lambda v: int(v.sum()), x, key="internals-y", pure=False)
+    assert y.result(timeout=10) == 45
+    del x
+    assert _until(lambda: _state(client, "internals-x") == "released")
+
+    def bring_back(dask_scheduler, client_id):
+        di.want(dask_scheduler, ["internals-x"], client_id)
+        di.recompute(dask_scheduler, ["internals-x"], "test-recompute")
+
+    client.run_on_scheduler(bring_back, client_id=client.id)
+    x2 = di.hold_futures(client, ["internals-x"])["internals-x"]
+    assert list(x2.result(timeout=10)) == list(range(10))
+
+
+def test_drop_replica_removes_one_copy(client, workers):
+    a, b = workers
+    x = client.submit(lambda: np.ones(1000), key="internals-replicated", workers=[a], pure=False)
+    wait(x)
+    client.replicate([x], n=2)
+    who = lambda: set(client.who_has([x])[x.key])  # noqa: E731
+    assert _until(lambda: who() == {a, b})
+    client.run_on_scheduler(lambda dask_scheduler: di.drop_replica(dask_scheduler, b, [x.key], "test-drop"))
+    assert _until(lambda: who() == {a})
+
+
+def test_transfer_records_and_bandwidth_orientation(client, workers):
+    """Workers log what they fetched; the scheduler keys its per-pair estimate (receiver, sender)."""
+    a, b = workers
+    client.run(lambda dask_worker: di.clear_incoming_transfers(dask_worker))
+    payload = client.submit(lambda: np.ones(4 << 20, dtype=np.float32), key="internals-payload", workers=[a],
+                            pure=False)
+    reader = client.submit(lambda v: v.nbytes, payload, key="internals-reader", workers=[b], pure=False)
+    assert reader.result(timeout=20) == 16 << 20
+    log = client.run(lambda dask_worker: di.incoming_transfers(dask_worker), workers=[b])[b]
+    rec = next(e for e in log if "internals-payload" in e["keys"])
+    assert rec["who"] == a and rec["total"] >= 16 << 20 and rec["duration"] > 0 and rec["stop"] >= rec["start"]
+    held = client.run(lambda dask_worker: di.in_memory(dask_worker)["internals-payload"].nbytes)
+    assert held[a] == held[b] == 16 << 20
+    # Worker metrics reach the scheduler with heartbeats.
+    links = lambda: client.run_on_scheduler(lambda dask_scheduler: di.link_bandwidths(dask_scheduler))  # noqa: E731
+    assert _until(lambda: (a, b) in links(), timeout=30)
+    raw = client.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.bandwidth_workers))
+    assert (b, a) in raw  # the receiver first
+
+
+def test_plugin_handlers_pseudo_client_and_amm_policy(client):
+    assert isinstance(client.sync(client.scheduler.kv_counters), dict)
+
+    def facts(dask_scheduler):
+        amm = dask_scheduler.extensions["amm"]
+        return CACHE_CLIENT in dask_scheduler.clients, sorted(type(p).__name__ for p in amm.policies)
+
+    has_cache_client, policies = client.run_on_scheduler(facts)
+    assert has_cache_client
+    assert KVAwareReduceReplicas.__name__ in policies and "ReduceReplicas" not in policies
+
+
+def test_the_distributed_release_is_one_we_pin():
+    """pyproject pins distributed; these tests are what the pin rests on."""
+    from importlib.metadata import requires
+
+    import distributed
+    from packaging.requirements import Requirement
+
+    req = next(Requirement(r) for r in requires("daskflow-kv") if r.startswith("distributed"))
+    assert distributed.__version__ in req.specifier, str(req)
+    assert any(s.operator == "<" for s in req.specifier), "distributed needs an upper bound: " + str(req)
+
