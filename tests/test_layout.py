@@ -20,21 +20,24 @@ TOP = "daskflow_kv"
 ALLOWED = {
     "errors": set(),
     "config": {"errors"},
-    "state": {"errors", "config"},
-    "policy": {"errors", "config"},
-    "model": {"state", "errors", "config"},
-    "engine": {"model", "state", "errors", "config"},
-    "plugins": {"state", "policy", "errors", "config"},
-    "runtime": {"plugins", "model", "state", "policy", "errors", "config"},
-    "flow": {"runtime", "model", "state", "policy", "errors", "config"},
-    "workflows": {"flow", "errors"},
-    "bench": {"flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors", "config", "workflows"},
+    "validation": {"errors", "config"},  # level 0: input checks every layer may use
+    "state": {"errors", "config", "validation"},
+    "policy": {"errors", "config", "validation"},
+    "model": {"state", "errors", "config", "validation"},
+    "engine": {"model", "state", "errors", "config", "validation"},
+    "plugins": {"state", "policy", "errors", "config", "validation"},
+    "runtime": {"plugins", "model", "state", "policy", "errors", "config", "validation"},
+    "flow": {"runtime", "model", "state", "policy", "errors", "config", "validation"},
+    "workflows": {"flow", "errors", "validation"},
+    "bench": {"flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors", "config", "workflows",
+              "validation"},
     "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors",
-            "config"},
+            "config", "validation"},
     "__init__": set(),  # exports by name, imported lazily
 }
 # Third-party packages a part must not import (the scheduler plugin and the policy stay light).
 FORBIDDEN_THIRD_PARTY = {
+    "validation": {"torch", "transformers", "distributed", "numpy"},
     "policy": {"torch", "transformers", "dask", "distributed", "numpy"},
     "state": {"transformers", "dask", "distributed"},
     "model": {"dask", "distributed"},

@@ -122,6 +122,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
                 "kv_record_bandwidth": self.handle_record_bandwidth,
                 "kv_configure": self.handle_configure,
                 "kv_evict_now": self.handle_evict_now,
+                "kv_drop": self.handle_drop,
             }
         )
         amm = scheduler.extensions.get("amm")
@@ -500,6 +501,23 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     def handle_evict_now(self) -> list[str]:
         return self._enforce_budgets(force=True)
+
+    def handle_drop(self, client: str | None = None) -> int:
+        """Before a cluster closes: the cache lets go of every block, and ``client`` of every key.
+
+        Workers then leave holding nothing, instead of Dask reporting each cached block as
+        lost. Returns how many cached blocks were dropped.
+        """
+        stimulus = f"kv-drop-{time.time()}"
+        cached = [k for k in self.catalog.blocks if k in self.scheduler.tasks]
+        for k in cached:
+            self.catalog.set_status(k, "released")
+        self.scheduler.client_releases_keys(cached, CACHE_CLIENT, stimulus_id=stimulus)
+        cs = self.scheduler.clients.get(client) if client else None
+        if cs is not None:
+            self.scheduler.client_releases_keys([ts.key for ts in cs.wants_what], client, stimulus_id=stimulus)
+        self._event("drop", blocks=len(cached), client=client)
+        return len(cached)
 
     def catalog_table(self):
         return rows_to_arrow(self.handle_catalog())
