@@ -25,6 +25,7 @@ _EXPORTS = {
     "KVRuntime": "runtime.kv_runtime",
     "DaskflowKVError": "errors",
     "IncompatibleStateError": "errors",
+    "InvalidInputError": "errors",
     "MergeError": "errors",
     "StateReleasedError": "errors",
     "ContextTooLongError": "errors",

@@ -13,16 +13,33 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import sys
 import time
 
 
+WORKFLOW_NAMES = ("tot", "debate", "rag", "planner")  # == workflows.WORKFLOWS (tests check), no torch import
+# The build() defaults of what --agents / --rounds / --depth set, per workflow (tests check
+# them against the signatures): enough to count a workflow's agents before building it.
+WORKFLOW_SIZES = {"tot": {"agents": 2, "depth": 2}, "debate": {"agents": 2, "rounds": 3}, "rag": {"agents": 3},
+                  "planner": {"agents": 3}}
+
+
+def agent_count(workflow: str, agents=None, rounds=None, depth=None) -> int:
+    """How many agents ``_build`` makes for these flags (None: the workflow's default)."""
+    d = WORKFLOW_SIZES[workflow]
+    a = agents or d["agents"]
+    if workflow == "tot":
+        return sum(a**level for level in range(1, (depth or d["depth"]) + 1)) + 1  # thoughts + evaluator
+    if workflow == "debate":
+        return a * (rounds or d["rounds"]) + 1  # debaters per round + moderator
+    return a + (1 if workflow == "rag" else 2)  # readers + synthesizer | planner + solvers + judge
+
+
 def _build(name: str, args, tokenizer):
     from .workflows import AGENT_PARAM, WORKFLOWS
 
-    if name not in WORKFLOWS:
-        raise SystemExit(f"unknown workflow {name!r}; choose from {', '.join(WORKFLOWS)}")
     build = WORKFLOWS[name]
     kwargs = {"tokenizer": tokenizer, "max_new_tokens": args.max_new_tokens, "context_tokens": args.context_tokens}
     if args.agents:
@@ -34,8 +51,28 @@ def _build(name: str, args, tokenizer):
     return build(**{k: v for k, v in kwargs.items() if k in params})
 
 
-def _progress(mode: str, level: int, levels: int, names) -> None:
-    print(f"  [{mode}] level {level + 1}/{levels}: {', '.join(names)}", flush=True)
+class Steps:
+    """The CLI's one progress display: a line per long step, its duration added when it ends."""
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self._label: str | None = None
+        self._t = 0.0
+
+    def start(self, label: str) -> None:
+        self.end()
+        self._label, self._t = label, time.perf_counter()
+        print(f"{label} ...", end="", file=self.out, flush=True)
+
+    def end(self, note: str = "") -> None:
+        if self._label is not None:
+            print(f" {time.perf_counter() - self._t:.1f}s{note}", file=self.out, flush=True)
+            self._label = None
+
+    def level(self, mode: str, level: int, levels: int, names) -> None:
+        """The executor's per-level callback."""
+        who = ", ".join(names)
+        self.start(f"[{mode}] level {level + 1}/{levels}: {who if len(who) <= 60 else who[:57] + '...'}")
 
 
 def _table(cmp_or_result) -> str:
@@ -79,47 +116,94 @@ def _outputs(cmp) -> str:
     return "\n".join(out)
 
 
-def _calibrate(rt) -> None:
+def _calibrate(rt, steps: Steps) -> None:
     """Measure links and prefill speed once, before anything is timed (it also loads the
     model on every worker, so neither mode pays that inside its run)."""
     from .policy.cost_model import PrefillProfile
 
-    t = time.perf_counter()
+    steps.start("[setup] calibrating worker links and prefill speed")
     cal = rt.calibrate()
     bws = cal["bandwidth"].values()
     rates = [PrefillProfile(p["a"], p["b"], p["c"]).tokens_per_second for p in cal["prefill_profiles"].values()]
     bw = f"{min(bws) / 1e9:.2f}-{max(bws) / 1e9:.2f} GB/s" if bws else "n/a (one worker)"
     tps = f"{min(rates):.0f}-{max(rates):.0f} tok/s" if rates else "n/a"
-    print(f"calibrated in {time.perf_counter() - t:.1f}s: worker links {bw}, prefill {tps}", flush=True)
+    steps.end(f" (links {bw}, prefill {tps})")
+
+
+def _prepare_model(name: str, steps: Steps) -> None:
+    """Build or convert the model once, here, before workers ask for it (they would each
+    wait for the one that does it, printing nothing)."""
+    from .model.zoo.smollm2 import SMOLLM2_ID, smollm2_converted
+
+    if name == SMOLLM2_ID and not smollm2_converted():
+        steps.start("[setup] converting SmolLM2 from GGUF to safetensors (once; about a minute)")
+    else:
+        steps.start(f"[setup] model {name}")
+    from .model.zoo.loader import load_tokenizer
+
+    load_tokenizer(name)
+
+
+def _connect(args, steps: Steps):
+    """A client on ``--scheduler`` with at least one worker, or a one-line error."""
+    from . import config, validation
+    from .errors import InvalidInputError
+    from .runtime.cluster import connect
+
+    wait = validation.duration("setting daskflow-kv.connect-timeout", config.get("connect-timeout"))
+    steps.start(f"[setup] connecting to {args.scheduler}")
+    try:
+        client = connect(args.scheduler, timeout=max(wait, 5.0))
+    except InvalidInputError:
+        raise
+    except Exception as e:  # refused mid-handshake, timed out, or not speaking Dask's protocol at all
+        raise InvalidInputError(f"--scheduler {args.scheduler}: something answered there, but not as a Dask "
+                                f"scheduler ({type(e).__name__}); check the address and port") from None
+    try:
+        client.wait_for_workers(1, timeout=max(wait, 5.0))
+    except (OSError, TimeoutError):
+        client.close()
+        raise InvalidInputError(f"--scheduler {args.scheduler}: the scheduler has no workers; start some with "
+                                f"`dask worker {args.scheduler}`") from None
+    return client
 
 
 def cmd_run(args, workflow: str) -> int:
-    from .flow.executor import Comparison, run_state_mode, run_text_mode
     from .runtime.cluster import close_runtime, kv_runtime, local_cluster
 
-    t0 = time.perf_counter()
-    if args.scheduler:
-        target = args.scheduler
-    else:
-        print(f"starting a local cluster: {args.workers} workers x 1 thread", flush=True)
-        target = local_cluster(n_workers=args.workers, dashboard_address=":0", kv_budget=args.kv_budget)
-    rt = kv_runtime(target, model=args.model, dtype=args.dtype, block_size=args.block_size)
+    steps = Steps()
+    print(f"daskflow-kv: {workflow} on {args.model} ({args.dtype}), mode {args.mode}", flush=True)
+    cluster = client = rt = None
     try:
-        if getattr(rt.client, "dashboard_link", None):
-            print(f"Dask dashboard: {rt.client.dashboard_link}", flush=True)
-            print(f"KV page:        {rt.client.dashboard_link.rsplit('/', 1)[0]}/kv", flush=True)
-        print(f"model {args.model} ({args.dtype}) ready in {time.perf_counter() - t0:.1f}s", flush=True)
+        if args.scheduler:  # a remote scheduler first: if it is not there, say so before any model work
+            client = target = _connect(args, steps)
+            _prepare_model(args.model, steps)
+        else:
+            _prepare_model(args.model, steps)
+            steps.start(f"[setup] local cluster: {args.workers} workers x 1 thread")
+            target = cluster = local_cluster(n_workers=args.workers, dashboard_address=":0", kv_budget=args.kv_budget,
+                                             silence_logs=logging.WARNING if args.verbose else logging.ERROR)
+        steps.end()
+        link = getattr(cluster or client, "dashboard_link", None)
+        if link:
+            print(f"Dask dashboard: {link}   KV page: {link.rsplit('/', 1)[0]}/kv", flush=True)
+        steps.start(f"[setup] loading {args.model} on the workers")
+        budget = {"kv_budget_bytes": args.kv_budget} if args.scheduler and args.kv_budget is not None else {}
+        rt = kv_runtime(target, model=args.model, dtype=args.dtype, block_size=args.block_size, **budget)
         if args.mode != "text":
-            _calibrate(rt)
+            _calibrate(rt, steps)
+        steps.end()
+        from .flow.executor import Comparison, run_state_mode, run_text_mode
+
         wf = _build(workflow, args, rt.tokenizer)
         compile_ = lambda: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
         result = None
         if args.mode in ("state", "both"):
-            print(f"running {wf.name} in state mode", flush=True)
-            result = run_state_mode(compile_(), rt, progress=_progress)
+            result = run_state_mode(compile_(), rt, progress=steps.level)
+            steps.end()
         if args.mode in ("text", "both"):
-            print(f"running {wf.name} in text mode", flush=True)
-            text = run_text_mode(compile_(), rt, progress=_progress)
+            text = run_text_mode(compile_(), rt, progress=steps.level)
+            steps.end()
             result = Comparison(result, text) if result is not None else text
         print()
         print(_outputs(result))
@@ -140,9 +224,14 @@ def cmd_run(args, workflow: str) -> int:
         ok = not isinstance(result, Comparison) or result.all_agree
         return 0 if ok else 3
     finally:
-        close_runtime(rt)
-        if not args.scheduler:
-            target.close()
+        steps.end(" (stopped)")
+        if rt is not None:
+            close_runtime(rt, cluster)  # drops the KV blocks first, so no worker leaves holding any
+        else:
+            if client is not None:
+                client.close()
+            if cluster is not None:
+                cluster.close()
 
 
 def cmd_explain(args) -> int:
@@ -162,16 +251,17 @@ def _common(p: argparse.ArgumentParser, model_key: str) -> None:
     from . import config
 
     p.add_argument("--model", default=None,
-                   help=f"tiny-llama | tiny-qwen2 | smollm2 | a path or hub id (default: {config.get(model_key)})")
+                   help=f"tiny-llama | tiny-qwen2 | smollm2 | a model directory (default: {config.get(model_key)})")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help=f"(default: {config.get('dtype')})")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block, one Dask key each (default: {config.get('block-size')})")
     p.add_argument("--context-tokens", type=int, default=512, help="approximate size of the shared context")
-    p.add_argument("--agents", type=int, default=0, help="agents / branch factor (workflow default if 0)")
-    p.add_argument("--rounds", type=int, default=0, help="debate rounds")
-    p.add_argument("--depth", type=int, default=0, help="tree-of-thought depth")
+    p.add_argument("--agents", type=int, default=None, help="agents / branch factor (default: the workflow's)")
+    p.add_argument("--rounds", type=int, default=None, help="debate rounds (debate only)")
+    p.add_argument("--depth", type=int, default=None, help="tree-of-thought depth (tot only)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--verbose", action="store_true", help="show library logs and progress bars (transformers, Dask)")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -184,20 +274,97 @@ def _run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve_config(args) -> None:
-    """Flags left unset take their value from dask.config["daskflow-kv"]."""
+    """Flags left unset take their value from dask.config["daskflow-kv"]; every flag and
+    every setting it falls back on is checked here, before any cluster or model."""
     from . import config
+    from . import validation as v
+    from .errors import InvalidInputError
+    from .model.zoo.names import check_model, max_positions
 
-    if hasattr(args, "model"):
-        args.model = config.get("demo-model" if args.command == "demo" else "model", args.model)
-        args.dtype = config.get("dtype", args.dtype)
-        args.block_size = config.get("block-size", args.block_size)
-    if hasattr(args, "workers"):
-        args.workers = config.get("cluster.workers", args.workers)
+    if not hasattr(args, "model"):
+        return
+    wf = args.workflow
+    if wf not in WORKFLOW_NAMES:
+        raise InvalidInputError(f"unknown workflow {wf!r}; choose from {', '.join(WORKFLOW_NAMES)}")
+    model = args.model if args.model is not None else config.get("demo-model" if args.command == "demo" else "model")
+    args.model = check_model(model, "--model" if args.model is not None else "setting daskflow-kv.model")
+    args.dtype = v.setting("dtype", args.dtype, "--dtype", v.dtype)
+    args.block_size = v.setting("block-size", args.block_size, "--block-size", v.block_size)
+    args.max_new_tokens = v.max_new_tokens("--max-new-tokens", args.max_new_tokens)
+    args.context_tokens = v.integer("--context-tokens", args.context_tokens, minimum=1)
+    limit = max_positions(args.model)
+    if limit is not None and args.context_tokens + args.max_new_tokens > limit:
+        raise InvalidInputError(f"--context-tokens {args.context_tokens} + --max-new-tokens {args.max_new_tokens} "
+                                f"exceed {args.model}'s {limit} positions")
+    most = v.integer("setting daskflow-kv.max-fork", config.get("max-fork"), minimum=1)
+    for flag, only in (("agents", None), ("rounds", "debate"), ("depth", "tot")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if only and wf != only:
+            raise InvalidInputError(f"--{flag} applies to the {only} workflow only, not {wf}")
+        setattr(args, flag, v.integer(f"--{flag}", value, minimum=1, maximum=most))
+    if agent_count(wf, args.agents, args.rounds, args.depth) > most:
+        raise InvalidInputError(f"{wf} with these flags has {agent_count(wf, args.agents, args.rounds, args.depth)} "
+                                f"agents, more than {most} (setting daskflow-kv.max-fork)")
+    if not hasattr(args, "workers"):
+        return
+    if args.scheduler is not None:
+        if args.workers is not None:
+            raise InvalidInputError("--workers sizes the local cluster; it cannot be combined with --scheduler")
+        v.scheduler_reachable("--scheduler", args.scheduler)
+    else:
+        args.workers = v.setting("cluster.workers", args.workers, "--workers", v.integer, minimum=1)
+    args.kv_budget = v.setting("kv-budget", args.kv_budget, "--kv-budget", v.optional, v.byte_size, minimum=0)
+    if args.json is not None:
+        args.json = v.writable_file("--json", args.json)
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _quiet(verbose: bool) -> None:
+    """Library logs and bars off unless --verbose, here and in the workers we start.
+
+    Environment variables reach the worker processes a LocalCluster spawns (they read them
+    when they import dask); ``daskflow-kv.verbose`` switches the model loaders' bars.
+    """
+    import logging
+
+    import dask
+
+    os.environ["DASK_DASKFLOW_KV__VERBOSE"] = str(bool(verbose))
+    dask.config.set({"daskflow-kv.verbose": bool(verbose)})
+    if verbose:
+        return
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in ("distributed", "bokeh", "tornado"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _parser():
+    from . import validation
+
+    parser = validation.ArgumentParser(prog="daskflow-kv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", add_help=False, help="benchmark every system and experiment in one run (bench --help)")
+    sub.add_parser("plan", add_help=False, help="MODELED transfer vs recompute per context length (plan --help)")
+    demo = sub.add_parser("demo", help="the main job: a RAG workflow on SmolLM2, state vs text mode")
+    _common(demo, "demo-model")
+    _run_options(demo)
+    demo.set_defaults(workflow="rag")
+    run = sub.add_parser("run", help="run a workflow: tot | debate | rag | planner")
+    run.add_argument("workflow", help=" | ".join(WORKFLOW_NAMES))
+    _common(run, "model")
+    _run_options(run)
+    exp = sub.add_parser("explain", help="print a workflow's stateful graph G_s")
+    exp.add_argument("workflow", help=" | ".join(WORKFLOW_NAMES))
+    _common(exp, "model")
+    from .runtime.catalog_export import add_catalog_subcommand
+
+    add_catalog_subcommand(sub)
+    return parser
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:  # own argument parsers: hand them the rest untouched
         from .bench.run import main as bench_main
 
@@ -206,24 +373,8 @@ def main(argv=None) -> int:
         from .bench.plan import main as plan_main
 
         return plan_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="daskflow-kv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", add_help=False, help="benchmark every system and experiment in one run (bench --help)")
-    sub.add_parser("plan", add_help=False, help="MODELED transfer vs recompute per context length (plan --help)")
-    demo = sub.add_parser("demo", help="the main job: a RAG workflow on SmolLM2, state vs text mode")
-    _common(demo, "demo-model")
-    _run_options(demo)
-    run = sub.add_parser("run", help="run a workflow: tot | debate | rag | planner")
-    run.add_argument("workflow")
-    _common(run, "model")
-    _run_options(run)
-    exp = sub.add_parser("explain", help="print a workflow's stateful graph G_s")
-    exp.add_argument("workflow")
-    _common(exp, "model")
-    from .runtime.catalog_export import add_catalog_subcommand
-
-    add_catalog_subcommand(sub)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    _quiet(getattr(args, "verbose", False))
     _resolve_config(args)
     if args.command == "demo":
         args.explain = True
@@ -233,6 +384,26 @@ def main(argv=None) -> int:
     if args.command == "catalog":
         return args.func(args)
     return cmd_explain(args)
+
+
+def main(argv=None) -> int:
+    """Exit status: 0 ok, 2 bad input (one line on stderr), 3 outputs disagreed, 130 interrupted."""
+    from .errors import DaskflowKVError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except DaskflowKVError as e:  # bad input, a too-long context, a malformed workflow: one line
+        if "--verbose" in argv:
+            import traceback
+
+            traceback.print_exc()
+        print(f"daskflow-kv: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("daskflow-kv: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

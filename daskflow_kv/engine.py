@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from . import config
-from .errors import MergeError
+from . import config, validation
+from .errors import InvalidInputError, MergeError
 from .model.batched import BatchStats, resume_batch
 from .model.runner import ModelRunner, RunMetrics
 from .model.sampling import GREEDY, SamplingParams
@@ -52,10 +52,14 @@ class Engine(TextCodec):
         device: str = "cpu",
         runner: ModelRunner | None = None,
     ):
+        block_size = validation.setting("block-size", block_size, "block_size", validation.block_size)
         if runner is None:
             from .model.zoo.loader import load_model
+            from .model.zoo.names import check_model
 
-            lm = load_model(config.get("model", model), dtype=config.get("dtype", dtype), device=device)
+            model = check_model(config.get("model", model), "model")
+            dtype = validation.setting("dtype", dtype, "dtype", validation.dtype)
+            lm = load_model(model, dtype=dtype, device=device)
             runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
         self.runner = runner
         self.store = BlockStore()
@@ -76,7 +80,8 @@ class Engine(TextCodec):
         return self.runner.block_size
 
     # -- internals ----------------------------------------------------------------------
-    def _check(self, state: KVState) -> None:
+    def _check(self, state: KVState, name: str = "state") -> None:
+        validation.instance(name, state, KVState)
         compat.check_state_for_model(state, self.fingerprint, self.block_size)
         self.store.require_live(state)
 
@@ -104,7 +109,6 @@ class Engine(TextCodec):
 
         Returns (state, run output or None, tokens reused).
         """
-        compat.check_tokens(tokens, self.runner.vocab_size)
         compat.check_positions(0, len(tokens), max_new_tokens, self.runner.max_positions)
         match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size)
         # Decoding needs the last token's logits, which no cache holds: always feed >= 1 token.
@@ -135,26 +139,24 @@ class Engine(TextCodec):
     # -- operators ----------------------------------------------------------------------
     def materialize(self, tokens: Sequence[int] | str) -> KVState:
         """Prefill ``tokens`` once (reusing any cached prefix) and hold their K/V."""
-        tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
-        if not tokens:
-            raise ValueError("materialize needs at least one token")
+        tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
+        tokens = validation.token_ids("tokens", tokens, self.runner.vocab_size, allow_empty=False)
         state, _, _ = self._prefill(tokens, "materialize", ())
         return state
 
     def fork(self, state: KVState, k: int) -> list[KVState]:
         """k children sharing every block of ``state``; no tensor is copied."""
         self._check(state)
-        if k < 1:
-            raise ValueError("fork needs k >= 1")
+        k = validation.fork_count("k", k)
         children = [state.derive("fork", (state.state_id,), branch=i, of=k) for i in range(k)]
         return [self._register(c) for c in children]
 
     def extend(self, state: KVState, tokens: Sequence[int]) -> KVState:
         """``state`` followed by ``tokens``: only the new tokens are prefilled."""
         self._check(state)
-        if not tokens:
-            raise ValueError("extend needs at least one token")
-        new, _, _ = self._prefill(list(state.tokens) + list(tokens), "extend", (state,))
+        tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
+        tokens = validation.token_ids("tokens", tokens, self.runner.vocab_size, allow_empty=False)
+        new, _, _ = self._prefill(list(state.tokens) + tokens, "extend", (state,))
         return new
 
     def resume(
@@ -168,10 +170,13 @@ class Engine(TextCodec):
     ) -> Generation:
         """Prefill only ``suffix`` on top of ``state``, decode, and return a continuation state."""
         self._check(state)
-        if max_new_tokens < 1:
-            raise ValueError("resume generates at least one token; use extend to only prefill")
+        suffix = self.encode(suffix) if isinstance(suffix, str) else suffix
+        suffix = validation.token_ids("suffix", suffix, self.runner.vocab_size)
+        max_new_tokens = validation.max_new_tokens("max_new_tokens", max_new_tokens)
+        validation.instance("sampling", sampling, SamplingParams)
+        stream = validation.integer("stream", stream, minimum=0)
         compat.check_positions(state.length, len(suffix), max_new_tokens, self.runner.max_positions)
-        tokens = list(state.tokens) + list(suffix)
+        tokens = list(state.tokens) + suffix
         new, out, reused = self._prefill(
             tokens,
             "resume",
@@ -203,15 +208,20 @@ class Engine(TextCodec):
         list whose ``stats`` attribute holds the batch's ``BatchStats``.
         """
         self._check(state)
-        suffixes = [self.encode(s) if isinstance(s, str) else list(s) for s in suffixes]
-        k = len(suffixes)
-        limits = [max_new_tokens] * k if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if isinstance(suffixes, str):
+            raise InvalidInputError("suffixes must be a list of suffixes (token ids or text), got one string")
+        suffixes = [validation.token_ids(f"suffixes[{i}]", self.encode(s) if isinstance(s, str) else s,
+                                         self.runner.vocab_size) for i, s in enumerate(suffixes)]
+        k = validation.fork_count("len(suffixes)", len(suffixes))
+        per_branch = hasattr(max_new_tokens, "__iter__") and not isinstance(max_new_tokens, (str, bytes))
+        limits = list(max_new_tokens) if per_branch else [max_new_tokens] * k
         if len(limits) != k:
-            raise ValueError(f"{k} suffixes but {len(limits)} token limits")
+            raise InvalidInputError(f"{k} suffixes but {len(limits)} token limits")
+        limits = [validation.max_new_tokens(f"max_new_tokens[{i}]", m) for i, m in enumerate(limits)]
+        validation.instance("sampling", sampling, SamplingParams)
+        if streams is not None and len(streams) != k:
+            raise InvalidInputError(f"{k} suffixes but {len(streams)} streams")
         for suf, m in zip(suffixes, limits):
-            if m < 1:
-                raise ValueError("resume generates at least one token; use extend to only prefill")
-            compat.check_tokens(list(state.tokens) + suf, self.runner.vocab_size)
             compat.check_positions(state.length, len(suf), m, self.runner.max_positions)
         # Decoding needs the last fed token's logits: a branch with no suffix re-feeds the
         # state's last token (as Engine.resume does), so then every branch shares one less token.
@@ -242,11 +252,11 @@ class Engine(TextCodec):
         reduction); exact because they now attend to a's tokens.
         auto: concat when provable, text otherwise. Different models/tokenizers always raise.
         """
-        self._check(a)
-        self._check(b)
+        validation.choice("how", how, ("auto", "concat", "text"))
+        self._check(a, "a")
+        self._check(b, "b")
+        validation.distinct_states("merge", a.state_id, b.state_id)
         compat.check_pair(a, b)
-        if how not in ("auto", "concat", "text"):
-            raise ValueError(f"merge how={how!r}; expected auto, concat or text")
         if how in ("auto", "concat"):
             try:
                 compat.check_concat(a, b)
@@ -265,6 +275,7 @@ class Engine(TextCodec):
 
     def release(self, state: KVState) -> int:
         """Drop ``state``; blocks no other live state holds are freed. Returns bytes freed."""
+        validation.instance("state", state, KVState)
         freed = self.store.release(state)
         for key in freed:
             self.index.remove(key)
@@ -285,8 +296,11 @@ class Engine(TextCodec):
         return_logits: bool = False,
     ) -> Generation:
         """Text mode: prefill the whole prompt from nothing, as if no state existed."""
-        tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
-        compat.check_tokens(tokens, self.runner.vocab_size)
+        tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
+        tokens = validation.token_ids("tokens", tokens, self.runner.vocab_size, allow_empty=False)
+        max_new_tokens = validation.max_new_tokens("max_new_tokens", max_new_tokens)
+        validation.instance("sampling", sampling, SamplingParams)
+        stream = validation.integer("stream", stream, minimum=0)
         compat.check_positions(0, len(tokens), max_new_tokens, self.runner.max_positions)
         out = self.runner.run(
             [], 0, tokens, max_new_tokens, sampling=sampling, stream=stream, return_logits=return_logits, export=False

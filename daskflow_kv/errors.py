@@ -7,6 +7,14 @@ class DaskflowKVError(Exception):
     """Base class for every error daskflow-kv raises on purpose."""
 
 
+class InvalidInputError(DaskflowKVError, ValueError):
+    """An argument, CLI flag or setting is malformed or out of range (``daskflow_kv.validation``).
+
+    Raised before any cluster starts, model loads or task is submitted; the message is one
+    line naming the input, what it must be and what it was.
+    """
+
+
 class IncompatibleStateError(DaskflowKVError):
     """A KV state was used with a model, tokenizer, dtype or position it was not made for."""
 
@@ -27,7 +35,7 @@ class ContextTooLongError(DaskflowKVError):
     """Prompt plus generation would run past the model's maximum positions."""
 
 
-class WorkflowError(DaskflowKVError):
+class WorkflowError(InvalidInputError):
     """A workflow spec is malformed (cycle, unknown agent, missing context, ...)."""
 
 

@@ -20,23 +20,25 @@ TOP = "daskflow_kv"
 ALLOWED = {
     "errors": set(),
     "config": {"errors"},
-    "dask_internals": set(),
-    "state": {"errors", "config"},
-    "policy": {"errors", "config"},
-    "model": {"state", "errors", "config"},
-    "engine": {"model", "state", "errors", "config"},
-    "plugins": {"state", "policy", "errors", "config", "dask_internals"},
-    "runtime": {"plugins", "model", "state", "policy", "errors", "config", "dask_internals"},
-    "flow": {"runtime", "model", "state", "policy", "errors", "config"},
-    "workflows": {"flow", "errors"},
+    "validation": {"errors", "config"},  # level 0: input checks every layer may use
+    "dask_internals": set(),  # level 0: every non-public Dask use, one place
+    "state": {"errors", "config", "validation"},
+    "policy": {"errors", "config", "validation"},
+    "model": {"state", "errors", "config", "validation"},
+    "engine": {"model", "state", "errors", "config", "validation"},
+    "plugins": {"state", "policy", "errors", "config", "validation", "dask_internals"},
+    "runtime": {"plugins", "model", "state", "policy", "errors", "config", "validation", "dask_internals"},
+    "flow": {"runtime", "model", "state", "policy", "errors", "config", "validation"},
+    "workflows": {"flow", "errors", "validation"},
     "bench": {"flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors", "config", "workflows",
-              "dask_internals"},
+              "validation", "dask_internals"},
     "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors",
-            "config", "dask_internals"},
+            "config", "validation", "dask_internals"},
     "__init__": set(),  # exports by name, imported lazily
 }
 # Third-party packages a part must not import (the scheduler plugin and the policy stay light).
 FORBIDDEN_THIRD_PARTY = {
+    "validation": {"torch", "transformers", "distributed", "numpy"},
     "policy": {"torch", "transformers", "dask", "distributed", "numpy"},
     "state": {"transformers", "dask", "distributed"},
     "model": {"dask", "distributed"},

@@ -25,6 +25,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import validation
+from ..errors import InvalidInputError
 from ..policy.cost_model import (
     LinkProfile,
     PrefillProfile,
@@ -138,8 +140,12 @@ def resolve_model(name: str) -> ModelConfig:
     if key in MODELS:
         return MODELS[key]
     if Path(name).exists():
-        return load_config(name)
-    raise SystemExit(f"unknown model {name!r}: use one of {', '.join(MODELS)} or a config.json path")
+        try:
+            return load_config(name)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InvalidInputError(f"--model {name!r} is not a readable HF config.json ({type(e).__name__}: {e})") \
+                from None
+    raise InvalidInputError(f"unknown model {name!r}: use one of {', '.join(MODELS)} or a config.json path")
 
 
 def prefill_profile(model: ModelConfig, hw: Hardware, prefill_tps: float | None = None) -> PrefillProfile:
@@ -215,8 +221,27 @@ def render(rows: list[dict], info: dict) -> str:
     return "\n".join(out)
 
 
+def _check(args) -> tuple[Hardware, ModelConfig]:
+    """The hardware (with overrides) and model the flags name, every number checked."""
+    v = validation
+    hw = HARDWARE[v.choice("--hardware", args.hardware, tuple(HARDWARE))]
+    args.contexts = [v.integer("--contexts", n, minimum=1) for n in args.contexts]
+    v.optional("--prefill-tps", args.prefill_tps, v.number, above=0)
+    over = {k: x for k, x in (("tflops", v.optional("--tflops", args.tflops, v.number, above=0)),
+                              ("mfu", v.optional("--mfu", args.mfu, v.number, above=0, maximum=1)),
+                              ("bandwidth", v.optional("--bandwidth-gbps", args.bandwidth_gbps, v.number, above=0)),
+                              ("latency", v.optional("--latency-us", args.latency_us, v.number, minimum=0)))
+            if x is not None}
+    over = {k: x * (1e9 if k == "bandwidth" else 1e-6 if k == "latency" else 1) for k, x in over.items()}
+    if over:
+        hw = Hardware(**{**asdict(hw), **over, "name": hw.name + "*"})
+    if args.json:
+        v.writable_file("--json", args.json)
+    return hw, resolve_model(args.model)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="daskflow-kv plan", description=__doc__.splitlines()[0],
+    ap = validation.ArgumentParser(prog="daskflow-kv plan", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", default="llama-3-8b", help=f"{' | '.join(MODELS)} | path to config.json")
     ap.add_argument("--hardware", default="a100-ib200", help=" | ".join(HARDWARE))
@@ -237,15 +262,11 @@ def main(argv=None) -> int:
         for k, h in HARDWARE.items():
             print(f"hardware {k:<19} {h.description}")
         return 0
-    if args.hardware not in HARDWARE:
-        raise SystemExit(f"unknown hardware {args.hardware!r}: use one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[args.hardware]
-    over = {k: v for k, v in (("tflops", args.tflops), ("mfu", args.mfu),
-                              ("bandwidth", args.bandwidth_gbps and args.bandwidth_gbps * 1e9),
-                              ("latency", args.latency_us and args.latency_us * 1e-6)) if v}
-    if over:
-        hw = Hardware(**{**asdict(hw), **over, "name": hw.name + "*"})
-    model = resolve_model(args.model)
+    try:
+        hw, model = _check(args)
+    except InvalidInputError as e:
+        print(f"daskflow-kv plan: error: {e}", file=sys.stderr)
+        return 2
     rows = plan_rows(model, hw, args.contexts, args.kv_dtype, args.prefill_tps)
     info = summary(model, hw, args.kv_dtype, args.prefill_tps)
     print(render(rows, info))

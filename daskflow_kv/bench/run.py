@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from .. import config, validation
+from ..errors import InvalidInputError
+
 PROFILES = {
     # CI smoke test: seconds of compute, checks the whole pipeline end to end
     "smoke": {"model": "tiny-llama", "contexts": [128, 256], "agents": 2, "exp2_context": 128, "ks": [1, 2],
@@ -36,10 +39,12 @@ PROFILES = {
              "systems": ["text", "hf", "local", "dkv"]},
 }
 MODELED_BANDWIDTHS_GBPS = [100, 25, 10, 3, 1, 0.3, 0.1, 0.03, 0.01]
+# systems.SYSTEMS + systems.OPTIONAL_SYSTEMS (tests check), here so flags are checked without torch
+ALL_SYSTEMS = ("text", "hf", "local", "dkv", "dkv-transfer", "dkv-recompute")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="daskflow-kv bench", description=__doc__.splitlines()[0],
+    ap = validation.ArgumentParser(prog="daskflow-kv bench", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick", help="same as --profile quick")
@@ -74,14 +79,49 @@ def resolve(args) -> dict:
         v = getattr(args, key)
         if v is not None:
             cfg[key] = v
-    if args.systems:
+    if args.systems is not None:
         cfg["systems"] = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.no_netem:
         cfg["netem_rates"] = []
-    cfg["experiments"] = sorted({int(x) for x in args.experiments.split(",") if x.strip()})
+    cfg["experiments"] = [x.strip() for x in args.experiments.split(",") if x.strip()]
     cfg["dtype"] = args.dtype
     cfg["workers"] = args.workers
     cfg["profile"] = args.profile
+    return check(cfg)
+
+
+def check(cfg: dict) -> dict:
+    """Every knob of a bench run, checked (and normalized) before a cluster starts."""
+    from ..model.zoo.names import check_model
+
+    v = validation
+    most = v.integer("setting daskflow-kv.max-fork", config.get("max-fork"), minimum=1)
+    cfg["model"] = check_model(cfg["model"], "--model")
+    cfg["dtype"] = v.dtype("--dtype", cfg["dtype"])
+    exps = set()
+    for x in cfg["experiments"]:
+        if not x.isdigit() or not 1 <= int(x) <= 5:
+            raise InvalidInputError(f"--experiments must be a comma list of 1-5, got {x!r}")
+        exps.add(int(x))
+    if not exps:
+        raise InvalidInputError("--experiments must name at least one of 1-5")
+    cfg["experiments"] = sorted(exps)
+    if not cfg["systems"]:
+        raise InvalidInputError(f"--systems must name at least one of {', '.join(ALL_SYSTEMS)}")
+    for name in cfg["systems"]:
+        v.choice("--systems", name, ALL_SYSTEMS)
+    cfg["agents"] = v.integer("--agents", cfg["agents"], minimum=1, maximum=most)
+    cfg["exp2_context"] = v.integer("--exp2-context", cfg["exp2_context"], minimum=1)
+    cfg["reps"] = v.integer("--reps", cfg["reps"], minimum=1)
+    cfg["max_new_tokens"] = v.max_new_tokens("--max-new-tokens", cfg["max_new_tokens"])
+    cfg["workers"] = v.integer("--workers", cfg["workers"], minimum=1)
+    for key, flag in (("contexts", "--contexts"), ("exp3_contexts", "--exp3-contexts"),
+                      ("netem_contexts", "--netem-contexts")):
+        cfg[key] = [v.integer(flag, c, minimum=1) for c in cfg[key]]
+    cfg["ks"] = [v.integer("--ks", k, minimum=1, maximum=most) for k in cfg["ks"]]
+    cfg["netem_rates"] = [v.number("--netem-rates", r, above=0) for r in cfg["netem_rates"]]
+    if 3 in exps and cfg["workers"] < 2:
+        raise InvalidInputError("experiment 3 moves KV between two workers: --workers must be >= 2 with it")
     return cfg
 
 
@@ -193,14 +233,23 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
 
 
 def main(argv=None) -> int:
+    """Exit status: 0 ok, 2 bad flags (one line on stderr), 3 some system's outputs differed."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parser().parse_args(argv)
-    cfg = resolve(args)
-    from .common import RESULTS_DIR, command_line
+    try:
+        cfg = resolve(args)
+        validation.byte_size("--memory-limit", args.memory_limit)
+        from .common import RESULTS_DIR, command_line
 
-    out_dir = Path(args.out) if args.out else RESULTS_DIR
-    tag = args.tag or cfg["profile"]
-    summary = Path(args.summary) if args.summary else out_dir / ("SUMMARY.md" if tag == "full" else f"SUMMARY_{tag}.md")
+        out_dir = validation.writable_dir("--out", args.out) if args.out else RESULTS_DIR
+        tag = args.tag or cfg["profile"]
+        if not tag or os.sep in tag or tag in (".", ".."):
+            raise InvalidInputError(f"--tag must be a plain file-name part, got {tag!r}")
+        summary = Path(validation.writable_file("--summary", args.summary)) if args.summary else \
+            out_dir / ("SUMMARY.md" if tag == "full" else f"SUMMARY_{tag}.md")
+    except InvalidInputError as e:
+        print(f"daskflow-kv bench: error: {e}", file=sys.stderr)
+        return 2
     prog = "daskflow-kv bench" if argv is not None or "daskflow-kv" in sys.argv[0] else "python -m daskflow_kv.bench"
     doc = run(cfg, out_dir, tag, command_line(prog, argv), plots=not args.no_plots, progress=not args.no_progress,
               summary_path=summary, memory_limit=args.memory_limit)

@@ -14,6 +14,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
+from .. import validation
 from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
@@ -184,8 +185,7 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
 
 def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, **runtime_kwargs):
     """Compile ``wf`` and run it; ``mode`` is state, text or both (returns a Comparison)."""
-    if mode not in ("state", "text", "both"):
-        raise ValueError(f"mode must be state, text or both, not {mode!r}")
+    validation.choice("mode", mode, ("state", "text", "both"))
     with ExitStack() as stack:
         if runtime is None:
             from ..runtime.cluster import embedded_runtime

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import WorkflowError
+from .. import validation
+from ..errors import InvalidInputError, WorkflowError
 from ..model.sampling import GREEDY, SamplingParams
 
 STATE_POLICIES = ("auto", "transfer", "alias", "fork", "recompute", "pin", "evict")
@@ -57,6 +58,7 @@ class WorkflowSpec:
     # -- building -----------------------------------------------------------------------------
     def context(self, name: str, text: str, title: str = "") -> str:
         self._new_name(name)
+        _as_workflow_error(validation.instance, f"context {name!r}: text", text, str)
         self.contexts[name] = Context(name, text, title)
         return name
 
@@ -77,12 +79,28 @@ class WorkflowSpec:
             raise WorkflowError(f"agent {name!r}: unknown state policy {policy!r}; expected one of {STATE_POLICIES}")
         if merge not in ("auto", "text", "concat"):
             raise WorkflowError(f"agent {name!r}: merge must be auto, text or concat, not {merge!r}")
-        if max_new_tokens < 1:
-            raise WorkflowError(f"agent {name!r}: max_new_tokens must be >= 1")
+        who = f"agent {name!r}:"
+        max_new_tokens = _as_workflow_error(validation.max_new_tokens, f"{who} max_new_tokens", max_new_tokens)
+        _as_workflow_error(validation.instance, f"{who} instructions", instructions, str)
+        _as_workflow_error(validation.instance, f"{who} sampling", sampling, SamplingParams)
+        if follows is not None:
+            _as_workflow_error(validation.instance, f"{who} follows", follows, str)
         reads = (reads,) if isinstance(reads, str) else tuple(reads)
+        for r in reads:
+            _as_workflow_error(validation.instance, f"{who} reads", r, str)
         self.agents[name] = Agent(name, instructions, reads, role, max_new_tokens, sampling, policy, merge, follows)
         return name
 
     def _new_name(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise WorkflowError(f"names in workflow {self.name!r} must be strings, got {type(name).__name__} {name!r}")
         if not name or name in self.contexts or name in self.agents:
             raise WorkflowError(f"name {name!r} is empty or already used in workflow {self.name!r}")
+
+
+def _as_workflow_error(check, *args):
+    """A ``validation`` check whose failure is reported as what it is here: a malformed workflow."""
+    try:
+        return check(*args)
+    except InvalidInputError as e:
+        raise WorkflowError(str(e)) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import config
+from .. import validation
 from .compiler import CompiledWorkflow, compile_workflow
 from .executor import run_workflow
 from .spec import Agent, Context, WorkflowSpec
@@ -20,7 +20,9 @@ __all__ = ["Agent", "Context", "Workflow"]
 class Workflow(WorkflowSpec):
     # -- running ------------------------------------------------------------------------------
     def compile(self, tokenizer, max_positions: int, block_size: int | None = None) -> CompiledWorkflow:
-        return compile_workflow(self, tokenizer, max_positions, config.get("block-size", block_size))
+        block_size = validation.setting("block-size", block_size, "block_size", validation.block_size)
+        max_positions = validation.integer("max_positions", max_positions, minimum=1)
+        return compile_workflow(self, tokenizer, max_positions, block_size)
 
     def run(self, mode: str = "state", runtime=None, **runtime_kwargs):
         """Run on ``runtime`` (a KVRuntime), or on an embedded local cluster."""

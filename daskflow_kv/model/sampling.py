@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import validation
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -17,6 +19,12 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0  # nucleus mass kept
     seed: int = 0  # reproducibility for temperature > 0
+
+    def __post_init__(self):
+        validation.number("temperature", self.temperature, minimum=0)
+        validation.integer("top_k", self.top_k, minimum=0)
+        validation.number("top_p", self.top_p, above=0, maximum=1)
+        validation.integer("seed", self.seed)
 
     @property
     def greedy(self) -> bool:

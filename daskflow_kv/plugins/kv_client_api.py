@@ -19,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from daskflow_kv import dask_internals as di
+
 from .tenants import AccessDenied, Session
 
 RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
-             "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now")
+             "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
+             "kv_drop")
 
 
 class KVClientAPI:
@@ -161,3 +164,21 @@ class KVClientAPI:
     def handle_evict_now(self, session: str) -> list[str]:
         self._admin(session, "forced eviction")
         return self._enforce_budgets(force=True)
+
+    def handle_drop(self, session: str, client: str | None = None) -> int:
+        """Before a cluster closes: the cache lets go of every block, and ``client`` of every key.
+
+        Workers then leave holding nothing, instead of Dask reporting each cached block as
+        lost. Admin only: it empties every tenant's cache. Returns how many blocks went.
+        """
+        s = self._admin(session, "dropping the whole KV cache")
+        stimulus = f"kv-drop-{time.time()}"
+        cached = [k for k in self.catalog.blocks if k in self.scheduler.tasks]
+        for k in cached:
+            self.catalog.set_status(k, "released")
+        di.unwant(self.scheduler, cached, self.CACHE_CLIENT, stimulus)
+        cs = self.scheduler.clients.get(client) if client else None
+        if cs is not None:
+            di.unwant(self.scheduler, [ts.key for ts in cs.wants_what], client, stimulus)
+        self._event("drop", None, blocks=len(cached), client=client, by=s.namespace)
+        return len(cached)

@@ -14,7 +14,7 @@ import time
 
 from distributed import wait
 
-from .. import config
+from .. import config, validation
 from ..dask_internals import incoming_transfers
 from . import tasks
 
@@ -50,8 +50,9 @@ def measure_prefill(runtime, worker: str, sizes=(32, 128, 256)) -> None:
 
 def calibrate(runtime, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
     """Measure every worker pair's bandwidth and every worker's prefill speed."""
-    probe_bytes = config.get_bytes("calibration.probe-bytes", probe_bytes)
-    probe_tokens = config.get("calibration.probe-tokens", probe_tokens)
+    probe_bytes = validation.setting("calibration.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
+    probe_tokens = validation.setting("calibration.probe-tokens", probe_tokens, "probe_tokens", validation.integer,
+                                      minimum=8)  # it also prefills probe_tokens // 8
     client = runtime.client
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     bandwidth = {}

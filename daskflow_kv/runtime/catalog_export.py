@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from .. import validation
+
 FORMATS = ("parquet", "arrow", "arrow-stream")
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
              ".arrows": "arrow-stream"}
@@ -62,6 +64,7 @@ def catalog_table(source):
     if isinstance(source, str):
         from distributed import Client
 
+        validation.scheduler_reachable("scheduler address", source)
         with Client(source, timeout="10s", set_as_default=False) as client:
             return rows_to_arrow(_rows_from_client(client))
     if callable(getattr(source, "catalog", None)):  # KVRuntime
@@ -77,9 +80,7 @@ def catalog_table(source):
 
 def infer_format(path, format: str | None = None) -> str:
     if format:
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-        return format
+        return validation.choice("format", format, FORMATS)
     return _SUFFIXES.get(os.path.splitext(str(path))[1].lower(), "parquet")
 
 
@@ -136,6 +137,8 @@ def add_catalog_subcommand(subparsers):
 
 
 def cmd_catalog(args) -> int:
+    validation.writable_file("--out", args.out)
+    validation.scheduler_reachable("--scheduler", args.scheduler)
     table = catalog_table(args.scheduler)
     fmt = write_table(table, args.out, args.format)
     states = len({s for s in table.column("state_id").to_pylist() if s}) if table.num_rows else 0
@@ -146,12 +149,18 @@ def cmd_catalog(args) -> int:
 
 def main(argv=None) -> int:
     """``python -m daskflow_kv.runtime.catalog_export --scheduler ADDR --out kv.parquet``."""
-    import argparse
+    import sys
 
-    parser = argparse.ArgumentParser(prog="daskflow-kv")
+    from ..errors import InvalidInputError
+
+    parser = validation.ArgumentParser(prog="daskflow-kv")
     add_catalog_subcommand(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["catalog", *(argv if argv is not None else __import__("sys").argv[1:])])
-    return args.func(args)
+    args = parser.parse_args(["catalog", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return args.func(args)
+    except InvalidInputError as e:
+        print(f"daskflow-kv catalog: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

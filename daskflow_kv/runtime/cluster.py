@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import dask
 
-from .. import config
+from .. import config, validation
 
 from .preloads import (  # noqa: F401  -- part of this module's interface
     DASHBOARD_PRELOAD,
@@ -55,14 +55,22 @@ def local_cluster(
     """
     from distributed import LocalCluster
 
+    n_workers = validation.setting("cluster.workers", n_workers, "n_workers", validation.integer, minimum=1)
+    threads = validation.setting("cluster.threads-per-worker", threads_per_worker, "threads_per_worker",
+                                 validation.integer, minimum=1)
+    memory_limit = config.get("cluster.memory-limit", memory_limit)
+    if memory_limit not in ("auto", None, 0):
+        validation.byte_size("memory_limit", memory_limit)
+    if kv_budget is not None:
+        validation.byte_size("kv_budget", kv_budget, minimum=0)
     with dask.config.set(kv_dask_config()):
         return LocalCluster(
-            n_workers=config.get("cluster.workers", n_workers),
-            threads_per_worker=config.get("cluster.threads-per-worker", threads_per_worker),
+            n_workers=n_workers,
+            threads_per_worker=threads,
             processes=True,
             protocol=comm_protocol(security),
             security=security,
-            memory_limit=config.get("cluster.memory-limit", memory_limit),
+            memory_limit=memory_limit,
             dashboard_address=dashboard_address,
             scheduler_kwargs=scheduler_options(kv_budget),
             preload=[WORKER_PRELOAD],
@@ -73,16 +81,18 @@ def local_cluster(
 def connect(address: str, timeout: str | float = "10s", security=None, **client_kwargs):
     """A Client on an existing scheduler, with the KV plugins registered (idempotently).
 
-    The scheduler and workers must be able to import daskflow_kv (same environment).
-    ``security``: a ``distributed.Security`` for a ``tls://`` scheduler (None: Dask's
-    ``distributed.comm.tls.*`` configuration, if any).
+    The scheduler and workers must be able to import daskflow_kv (same environment). An
+    address nothing listens on fails at once (``validation.scheduler_reachable``), not
+    after the client's whole connect timeout. ``security``: a ``distributed.Security`` for
+    a ``tls://`` scheduler (None: Dask's ``distributed.comm.tls.*`` configuration, if any).
     """
     from distributed import Client
 
+    validation.scheduler_reachable("scheduler address", address)
+    client = Client(address, timeout=timeout, security=security, **client_kwargs)
     from ..plugins.kv_scheduler import KVSchedulerPlugin
     from .serialization import TorchSerializationPlugin
 
-    client = Client(address, timeout=timeout, security=security, **client_kwargs)
     client.register_plugin(TorchSerializationPlugin())
     client.register_plugin(KVSchedulerPlugin())
     return client
@@ -116,9 +126,24 @@ def kv_runtime(target=None, security=None, **runtime_kwargs):
     return KVRuntime(client, **runtime_kwargs)
 
 
-def close_runtime(runtime) -> None:
-    """Close a runtime's client, and the cluster ``kv_runtime(None)`` started for it."""
-    cluster = getattr(runtime.client, "_daskflow_owned_cluster", None)
+def drop_kv(runtime) -> None:
+    """Let go of every KV block the cache and ``runtime``'s client hold, before their cluster closes.
+
+    Workers that leave while holding computed keys make the scheduler log each one as lost
+    ("Removing worker ... caused the cluster to lose already computed task(s)"): nothing is
+    lost at shutdown, but it reads as data loss. Only for a cluster this process owns: on a
+    shared scheduler the cached prefixes are what the next client reuses.
+    """
+    with contextlib.suppress(Exception):  # no plugin, or already closing: nothing to drop
+        runtime._rpc("kv_drop", client=runtime.client.id)
+
+
+def close_runtime(runtime, cluster=None) -> None:
+    """Close a runtime's client, then ``cluster`` (or the one ``kv_runtime(None)`` started for
+    it), dropping the KV blocks first so that the workers leave holding nothing."""
+    cluster = cluster if cluster is not None else getattr(runtime.client, "_daskflow_owned_cluster", None)
+    if cluster is not None:
+        drop_kv(runtime)
     runtime.client.close()
     if cluster is not None:
         cluster.close()
@@ -145,7 +170,11 @@ def embedded_runtime(
                       security=security) as cluster,
         Client(cluster, security=security) as client,
     ):
-        yield KVRuntime(client, **runtime_kwargs)
+        runtime = KVRuntime(client, **runtime_kwargs)
+        try:
+            yield runtime
+        finally:
+            drop_kv(runtime)
 
 
 def cuda_cluster(*args, **kwargs):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import dask
 from distributed import Client, Future, wait
 
-from .. import config
+from .. import config, validation
 from ..dask_internals import hold_futures
 from .session import login
 from ..model.text_codec import TextCodec
@@ -43,7 +43,7 @@ from ..errors import MergeError, StateReleasedError
 from ..state.kv_state import KVState, LineageEvent, new_state_id
 from ..model.sampling import GREEDY, SamplingParams
 from . import tasks
-from ..policy.placement import ClusterView, Placement, plan_placements, read_blocks
+from ..policy.placement import POLICIES, ClusterView, Placement, plan_placements, read_blocks
 from .serialization import TorchSerializationPlugin
 
 
@@ -128,14 +128,19 @@ class KVRuntime(TextCodec):
         ``daskflow-kv.namespace`` / ``daskflow-kv.secret``). Blocks are found, shared and
         listed only inside the namespace, under keys nobody without its secret can compute."""
         from ..model.zoo.loader import load_tokenizer
+        from ..model.zoo.names import check_model
         from ..plugins.kv_dashboard import KVDashboardPlugin
         from ..plugins.kv_scheduler import KVSchedulerPlugin
 
+        validation.instance("client", client, Client)
+        model = check_model(config.get("model", model), "model")
+        dtype = validation.setting("dtype", dtype, "dtype", validation.dtype)
+        block_size = validation.setting("block-size", block_size, "block_size", validation.block_size)
+        kv_budget_bytes = validation.optional("kv_budget_bytes", kv_budget_bytes, validation.byte_size, minimum=0)
+        memory_weight = validation.optional("memory_weight", memory_weight, validation.number, minimum=0)
+        validation.setting("kv-budget", None, "kv_budget_bytes", validation.optional, validation.byte_size, minimum=0)
         self.client = client
-        model = config.get("model", model)
-        dtype = str(config.get("dtype", dtype)).removeprefix("torch.")
-        self.spec = tasks.ModelSpec(model, dtype, config.get("block-size", block_size), config.get("namespace", namespace),
-                                    device)
+        self.spec = tasks.ModelSpec(model, dtype, block_size, config.get("namespace", namespace), device)
         client.register_plugin(TorchSerializationPlugin())
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
         client.register_plugin(KVSchedulerPlugin())
@@ -165,13 +170,16 @@ class KVRuntime(TextCodec):
         return self.spec.block_size
 
     def configure(self, kv_budget_bytes: int | None = None, memory_weight: float | None = None, unset_budget=False):
+        kv_budget_bytes = validation.optional("kv_budget_bytes", kv_budget_bytes, validation.byte_size, minimum=0)
+        memory_weight = validation.optional("memory_weight", memory_weight, validation.number, minimum=0)
         self._rpc("kv_configure", kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight, unset_budget=unset_budget)
 
     def view(self) -> ClusterView:
         snap = self._rpc("kv_snapshot")
         return ClusterView.from_snapshot(snap, self.bandwidth_override, self.prefill_override)
 
-    def _check(self, state: DistKVState) -> None:
+    def _check(self, state: DistKVState, name: str = "state") -> None:
+        validation.instance(name, state, DistKVState)
         if state.released:
             raise StateReleasedError(f"state {state.state_id} was released; materialize it again")
         compat.check_state_for_model(state.state, self.fingerprint, self.block_size)
@@ -336,13 +344,11 @@ class KVRuntime(TextCodec):
 
     def materialize(self, tokens: Sequence[int] | str, worker: str | None = None) -> DistKVState:
         """Prefill ``tokens`` once on a worker (reusing any cached prefix, on any worker)."""
-        tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
-        if not tokens:
-            raise ValueError("materialize needs at least one token")
+        tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
+        tokens = validation.token_ids("tokens", tokens, self.facts.vocab_size, allow_empty=False)
         return self._materialize(tokens, "materialize", (), worker)
 
     def _materialize(self, tokens, op, parents, worker=None, **detail) -> DistKVState:
-        compat.check_tokens(tokens, self.facts.vocab_size)
         compat.check_positions(0, len(tokens), 0, self.facts.max_positions)
         match = self._lookup(tokens)
         reused = match.tokens
@@ -370,17 +376,16 @@ class KVRuntime(TextCodec):
     def fork(self, state: DistKVState, k: int) -> list[DistKVState]:
         """k children sharing the parent's block futures; no task, no copy."""
         self._check(state)
-        if k < 1:
-            raise ValueError("fork needs k >= 1")
+        k = validation.fork_count("k", k)
         children = [state.state.derive("fork", (state.state_id,), branch=i, of=k) for i in range(k)]
         self._register(children)
         return [DistKVState(c, state.futures, self) for c in children]
 
     def extend(self, state: DistKVState, tokens: Sequence[int]) -> DistKVState:
         self._check(state)
-        if not tokens:
-            raise ValueError("extend needs at least one token")
-        return self._materialize(list(state.tokens) + list(tokens), "extend", (state,))
+        tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
+        tokens = validation.token_ids("tokens", tokens, self.facts.vocab_size, allow_empty=False)
+        return self._materialize(list(state.tokens) + tokens, "extend", (state,))
 
     def resume(self, state: DistKVState, suffix: Sequence[int] = (), max_new_tokens: int = 32, **kw) -> DistGeneration:
         return self.resume_many([(state, suffix)], max_new_tokens, **kw)[0]
@@ -403,12 +408,14 @@ class KVRuntime(TextCodec):
         state placed on the same worker run as one ``prefill_batch`` task (one copy of the
         prefix, decoded together; the same tokens); False runs one ``prefill`` per branch.
         """
-        if max_new_tokens < 1:
-            raise ValueError("resume generates at least one token; use extend to only prefill")
+        max_new_tokens = validation.max_new_tokens("max_new_tokens", max_new_tokens)
+        validation.instance("sampling", sampling, SamplingParams)
+        validation.choice("policy", policy, POLICIES)
+        requests = [(s, self.encode(x) if isinstance(x, str) else x) for s, x in validation.pairs("requests", requests)]
         prompts = []
-        for state, suffix in requests:
-            self._check(state)
-            compat.check_tokens(suffix, self.facts.vocab_size)
+        for i, (state, suffix) in enumerate(requests):
+            self._check(state, f"requests[{i}] state")
+            suffix = validation.token_ids(f"requests[{i}] suffix", suffix, self.facts.vocab_size)
             compat.check_positions(state.length, len(suffix), max_new_tokens, self.facts.max_positions)
             prompts.append(list(state.tokens) + list(suffix))
 
@@ -479,11 +486,11 @@ class KVRuntime(TextCodec):
 
     def merge(self, a: DistKVState, b: DistKVState, how: str = "auto") -> DistKVState:
         """Exact combinations only; see Engine.merge for the rules."""
-        self._check(a)
-        self._check(b)
+        validation.choice("how", how, ("auto", "concat", "text"))
+        self._check(a, "a")
+        self._check(b, "b")
+        validation.distinct_states("merge", a.state_id, b.state_id)
         compat.check_pair(a.state, b.state)
-        if how not in ("auto", "concat", "text"):
-            raise ValueError(f"merge how={how!r}; expected auto, concat or text")
         if how in ("auto", "concat"):
             try:
                 compat.check_concat(a.state, b.state)
@@ -501,6 +508,7 @@ class KVRuntime(TextCodec):
 
     def release(self, state: DistKVState) -> None:
         """Drop this handle's references; cached blocks stay until evicted under the budget."""
+        validation.instance("state", state, DistKVState)
         if state.released:
             return
         state.released = True
@@ -511,8 +519,11 @@ class KVRuntime(TextCodec):
     def generate_text(self, tokens: Sequence[int] | str, max_new_tokens: int = 32, sampling: SamplingParams = GREEDY,
                       stream: int = 0, worker: str | None = None, return_logits: bool = False) -> Future:
         """Text mode on a worker: the whole prompt prefilled from nothing. A future of GenerationResult."""
-        tokens = self.encode(tokens) if isinstance(tokens, str) else list(tokens)
-        compat.check_tokens(tokens, self.facts.vocab_size)
+        tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
+        tokens = validation.token_ids("tokens", tokens, self.facts.vocab_size, allow_empty=False)
+        max_new_tokens = validation.max_new_tokens("max_new_tokens", max_new_tokens)
+        validation.instance("sampling", sampling, SamplingParams)
+        stream = validation.integer("stream", stream, minimum=0)
         compat.check_positions(0, len(tokens), max_new_tokens, self.facts.max_positions)
         return self.client.submit(tasks.text_generate, self.spec, tokens, max_new_tokens, sampling, stream,
                                   return_logits, workers=[worker] if worker else None, pure=False)

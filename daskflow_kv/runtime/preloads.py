@@ -26,7 +26,7 @@ def kv_dask_config() -> dict:
 
 
 def _preload_argv(kv_budget) -> list[str]:
-    return ["--kv-budget", str(kv_budget)] if kv_budget else []
+    return ["--kv-budget", str(kv_budget)] if kv_budget is not None else []  # 0 too: keep nothing cached
 
 
 def scheduler_options(kv_budget=None) -> dict:

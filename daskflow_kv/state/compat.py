@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .blocks import common_prefix_len
+from ..validation import token_ids
 from ..errors import ContextTooLongError, IncompatibleStateError, MergeError
 from .fingerprint import Fingerprint
 from .kv_state import KVState
@@ -44,9 +45,8 @@ def check_positions(length: int, new_tokens: int, max_new_tokens: int, max_posit
 
 
 def check_tokens(tokens: Sequence[int], vocab_size: int) -> None:
-    bad = [t for t in tokens if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab_size}")
+    """Kept for existing callers; the check lives in ``daskflow_kv.validation.token_ids``."""
+    token_ids("tokens", tokens, vocab_size)
 
 
 def check_concat(a: KVState, b: KVState) -> None:

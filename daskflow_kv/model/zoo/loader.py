@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..attention import attention_for
+from .quiet import quiet_loading
 from .smollm2 import SMOLLM2_ID, smollm2_path
 from .tiny import TINY_SPECS, build_tiny
 
@@ -72,7 +73,8 @@ def model_id_for(name: str) -> str:
 def resolve_model_path(name: str) -> Path:
     """The local directory holding ``name``'s weights, building/converting/fetching if needed."""
     if name in TINY_SPECS:
-        return build_tiny(name)
+        with quiet_loading():
+            return build_tiny(name)
     if name == SMOLLM2_ID:
         return smollm2_path()
     if _is_local(name):
@@ -84,7 +86,8 @@ def resolve_model_path(name: str) -> Path:
         )
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id=name, allow_patterns=_HUB_PATTERNS))
+    # No hub at run time: a hub id works once it is in the local cache (names.hub_cached).
+    return Path(snapshot_download(repo_id=name, allow_patterns=_HUB_PATTERNS, local_files_only=True))
 
 
 def _load_tokenizer(path: Path):
@@ -103,10 +106,11 @@ def _load_cached(model_id: str, dtype: torch.dtype, device: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model_id)
-    tokenizer = _load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attention_for(dtype)
-    )
+    with quiet_loading():
+        tokenizer = _load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention_for(dtype)
+        )
     model.to(device).eval().requires_grad_(False)
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
@@ -132,4 +136,6 @@ def clear_model_cache() -> None:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(name_or_path: str):
     """The tokenizer alone: clients encode and decode without holding the weights."""
-    return _load_tokenizer(resolve_model_path(model_id_for(str(name_or_path))))
+    path = resolve_model_path(model_id_for(str(name_or_path)))
+    with quiet_loading():
+        return _load_tokenizer(path)

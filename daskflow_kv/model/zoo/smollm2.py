@@ -21,6 +21,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from .cache_dir import model_cache_dir
+from .quiet import quiet_loading
 
 SMOLLM2_ID = "smollm2"
 CONVERTER_VERSION = 1  # recorded in the marker file; the recipe is fixed by the GGUF
@@ -41,9 +42,19 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
+def smollm2_dir() -> Path:
+    """Where the converted model lives (complete only once its marker file exists)."""
+    return model_cache_dir() / _DIR_NAME
+
+
+def smollm2_converted() -> bool:
+    """True once the one-time conversion has published its directory."""
+    return (smollm2_dir() / _MARKER).exists()
+
+
 def smollm2_available() -> bool:
     """True when the weights can be found (converted already, or the package is installed)."""
-    if (model_cache_dir() / _DIR_NAME / _MARKER).exists():
+    if smollm2_converted():
         return True
     try:
         smollm2_gguf()
@@ -88,14 +99,15 @@ def _convert(gguf: Path, out: Path) -> None:
 
 def smollm2_path() -> Path:
     """Convert (once, on first call in any process) and return the safetensors directory."""
-    path = model_cache_dir() / _DIR_NAME
+    path = smollm2_dir()
     marker = path / _MARKER
     if marker.exists():
         return path
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _convert(smollm2_gguf(), tmp)
+        with quiet_loading(gguf=True):
+            _convert(smollm2_gguf(), tmp)
         tmp.rename(path)  # atomic publish: readers see a whole directory or none
     except OSError:
         if not marker.exists():
