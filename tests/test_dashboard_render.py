@@ -23,11 +23,11 @@ class _Plugin:
     def __init__(self, rows=(), events=()):
         self.rows, self.events = list(rows), list(events)
 
-    def handle_counters(self):
+    def operator_counters(self):
         return {"counters": {"tokens_reused": 0, "tokens_computed": 0}, "kv_bytes": {"tcp://w:1": 0},
                 "kv_budget_bytes": None, "decisions": [], "events": []}
 
-    def handle_catalog(self):
+    def operator_catalog(self):
         return self.rows
 
 

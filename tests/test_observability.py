@@ -259,16 +259,16 @@ def test_registering_again_is_idempotent(run):
 
 # -- without a cluster ----------------------------------------------------------------------
 class _FakePlugin:
-    """Only the RPC handlers: the dashboard must not need more."""
+    """Only the operator views: the dashboard must not need more."""
 
     def __init__(self, reused):
         self.reused = reused
 
-    def handle_counters(self):
+    def operator_counters(self):
         return {"counters": {"tokens_reused": self.reused, "tokens_computed": 10}, "kv_bytes": {"tcp://w:1": 5},
                 "kv_budget_bytes": None, "decisions": [], "events": []}
 
-    def handle_catalog(self):
+    def operator_catalog(self):
         return [{"state_id": "kvstate-materialize-abc", "state_status": "live", "state_op": "materialize",
                  "state_parents": "", "block_key": "kvblock-1", "token_start": 0, "token_end": 16, "nbytes": 64,
                  "refcount": 1, "status": "memory", "workers": "tcp://w:1"}]

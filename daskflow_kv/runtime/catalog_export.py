@@ -51,7 +51,7 @@ def catalog_table(source):
 
     ``source``: a ``KVRuntime`` (anything with ``.catalog()``), a ``distributed.Client``,
     a scheduler address (a client is opened and closed here), a scheduler plugin (anything
-    with ``catalog_table()`` or ``handle_catalog()``), a list of catalog rows, or a Table.
+    with ``catalog_table()`` or ``operator_catalog()``), a list of catalog rows, or a Table.
     """
     import pyarrow as pa
 
@@ -71,8 +71,8 @@ def catalog_table(source):
         return source.catalog()
     if callable(getattr(source, "catalog_table", None)):  # KVSchedulerPlugin
         return source.catalog_table()
-    if callable(getattr(source, "handle_catalog", None)):
-        return rows_to_arrow(source.handle_catalog())
+    if callable(getattr(source, "operator_catalog", None)):
+        return rows_to_arrow(source.operator_catalog())
     if hasattr(source, "scheduler") and callable(getattr(source, "sync", None)):  # Client
         return rows_to_arrow(_rows_from_client(source))
     raise TypeError(f"cannot read a KV catalog from {type(source).__name__}")
