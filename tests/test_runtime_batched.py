@@ -109,7 +109,7 @@ def test_batch_outputs_are_released_and_mixed_placements(client, workers):
     assert _wait_for(lambda: len(_tasks_run(client, t0)) >= 2)
     keys = _tasks_run(client, t0)
     assert sum(k.startswith("kvprefill-resume-batch-") for k in keys) == 1
-    assert f"kvprefill-resume-{gens[2].state.state_id}" in keys
+    assert any(k.startswith(f"kvprefill-resume-{gens[2].state.state_id}-") for k in keys)  # + a random tail
     rt.wait([g.state for g in gens])
 
     def intermediates(dask_scheduler):
