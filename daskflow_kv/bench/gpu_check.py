@@ -108,7 +108,7 @@ def make_cupy(nbytes: int, seed: int = 0, device: str = "cuda"):
         return np.random.default_rng(seed).standard_normal(nbytes // 2, dtype=np.float32).astype(np.float16)
     import cupy
 
-    return cupy.random.default_rng(seed).standard_normal(nbytes // 2, dtype=cupy.float32).astype(cupy.float16)
+    return cupy.random.RandomState(seed).standard_normal(nbytes // 2, dtype=cupy.float32).astype(cupy.float16)
 
 
 def strict_matmul() -> dict:
