@@ -47,7 +47,7 @@ CLI_CASES = [
     (R + ["--kv-budget", "banana"], None, "--kv-budget must be a byte size such as 512MiB or 2GB, got 'banana'"),
     (R + ["--block-size", "0"], None, "--block-size must be an integer >= 1, got 0"),
     (R + ["--agents", "-1"], None, "--agents must be an integer from 1 to 1024, got -1"),
-    (R + ["--model", "/nonexistent"], None, "'/nonexistent' is not a known model (tiny-gemma3, tiny-llama, tiny-llama4, tiny-mistral, tiny-qwen2, smollm2)"),
+    (R + ["--model", "/nonexistent"], None, "'/nonexistent' is not a known model (tiny-gemma3, tiny-llama, tiny-llama4, tiny-mistral, tiny-qwen2, smollm2, llama-3.2-1b-mini, llama-3.2-1b-random)"),
     (["run", "nosuchworkflow"], None, "unknown workflow 'nosuchworkflow'; choose from tot, debate, rag, planner"),
     (R + ["--scheduler", "tcp://127.0.0.1:1"], None, "cannot reach a scheduler (connection refused); check that"),
     # -- every other option of run / demo / explain

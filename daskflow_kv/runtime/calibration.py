@@ -1,7 +1,7 @@
 """Probes that give the cost model measurements before any workflow has run.
 
-Bandwidth: a real payload of ``probe_bytes`` made on one worker and read by a task on
-another; the figure is the receiver's own transfer record (Dask's ``transfer_incoming_log``),
+Bandwidth: a real payload of ``probe_bytes`` made on one worker (on the runtime's device:
+a GPU cluster measures device-to-device moves) and read by a task on another; the figure is the receiver's own transfer record (Dask's ``transfer_incoming_log``),
 not a timer around the call. Prefill: a real prefill of a few sizes on every worker, which
 reports its timing to the scheduler plugin like any other prefill.
 """
@@ -26,8 +26,8 @@ def _transfer_record(dask_worker, key):
     return None
 
 
-def measure_bandwidth(client, src: str, dst: str, nbytes: int) -> float:
-    payload = client.submit(tasks.probe_bytes, nbytes, workers=[src], pure=False)
+def measure_bandwidth(client, src: str, dst: str, nbytes: int, device: str = "cpu") -> float:
+    payload = client.submit(tasks.probe_bytes, nbytes, device, workers=[src], pure=False)
     wait(payload)
     reader = client.submit(tasks.touch, payload, workers=[dst], allow_other_workers=False, pure=False)
     reader.result()
@@ -57,7 +57,7 @@ def calibrate(runtime, probe_bytes: int | str | None = None, probe_tokens: int |
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     bandwidth = {}
     for src, dst in itertools.permutations(workers, 2):
-        bw = measure_bandwidth(client, src, dst, probe_bytes)
+        bw = measure_bandwidth(client, src, dst, probe_bytes, runtime.spec.device)
         runtime._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=bw)
         bandwidth[f"{src}->{dst}"] = bw
     for w in workers:

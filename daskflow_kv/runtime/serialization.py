@@ -20,6 +20,10 @@ CUDA tensors: with CuPy installed, a "cuda"-family serializer hands UCX the devi
 on send) and moved back to the receiver's current CUDA device on arrival -- or left on the
 host if the receiving process has no CUDA.
 
+Every CUDA tensor serialized or rebuilt here is counted in ``frame_counts.COUNTS`` by the
+path it took (device buffer or host bytes): the evidence that GPU-to-GPU moves over UCX
+never stage through host memory (``frame_counts.host_path_taken``).
+
 Registration must happen in *every* process that sends or receives tensors (client,
 workers).  Importing this module registers; workers get it through
 ``client.register_plugin(TorchSerializationPlugin())`` (or ``--preload`` of this module).
@@ -34,6 +38,8 @@ from dask.sizeof import sizeof
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+from .frame_counts import COUNTS, DEVICE, HOST, frame_kind
 
 try:  # optional: only GPU installs have CuPy
     import cupy
@@ -103,6 +109,7 @@ def serialize_torch_tensor(t: torch.Tensor) -> tuple[dict, list]:
     header, data = _prepare(t)
     if data.device.type == "cuda":
         data = data.cpu()  # TCP can only carry host memory: one staging copy
+        COUNTS.record_sent(HOST, data.nbytes)
     # .numpy() shares memory: the data frame aliases the tensor (zero-copy).
     frames = [_spacer(), memoryview(_as_bytes(data).numpy())]
     if t.grad is not None:
@@ -129,8 +136,10 @@ def deserialize_torch_tensor(header: dict, frames: list) -> torch.Tensor:
             # spacer; still happens for frames cut out of one buffer (spill files).
             flat = flat.clone()
     t = _rebuild(flat, header)
-    if header["device"] == "cuda" and torch.cuda.is_available():
-        t = t.to("cuda")  # the receiver's current device (dask-cuda pins one per worker)
+    if header["device"] == "cuda":
+        COUNTS.record_received(HOST, frame.nbytes)  # a CUDA tensor that crossed as host bytes
+        if torch.cuda.is_available():
+            t = t.to("cuda")  # the receiver's current device (dask-cuda pins one per worker)
     if "grad" in header:
         t.grad = deserialize_torch_tensor(header["grad"], frames[2:])
     return t
@@ -144,12 +153,23 @@ if cupy is not None:
             raise NotImplementedError("grad")  # let the "dask" family handle it
         header, data = _prepare(t)
         # __cuda_array_interface__: a CuPy uint8 array over the same device memory.
-        return header, [cupy.asarray(_as_bytes(data))]
+        frame = cupy.asarray(_as_bytes(data))
+        COUNTS.record_sent(DEVICE, frame.nbytes)
+        return header, [frame]
 
     def cuda_deserialize_torch_tensor(header: dict, frames: list) -> torch.Tensor:
+        frame = frames[0]
+        if frame_kind(frame) == HOST:
+            # A comm that delivered host bytes for a device frame: one host-to-device copy,
+            # counted, so a check that demands a device path fails loudly.
+            raw = bytearray(memoryview(frame).cast("B"))
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            COUNTS.record_received(HOST, flat.nbytes)
+            return _rebuild(flat.to("cuda"), header)
         # The frame is whatever device buffer the comm allocated (RMM DeviceBuffer, CuPy or
         # Numba array); CuPy wraps it without copying and DLPack hands it to torch.
-        flat = torch.from_dlpack(cupy.asarray(frames[0]).view(cupy.uint8).ravel())
+        flat = torch.from_dlpack(cupy.asarray(frame).view(cupy.uint8).ravel())
+        COUNTS.record_received(DEVICE, flat.nbytes)
         return _rebuild(flat, header)
 
 

@@ -283,9 +283,14 @@ def text_generate(
     return GenerationResult(out.generated, out.metrics.as_dict(), _worker_address(), out.logits)
 
 
-def probe_bytes(nbytes: int) -> torch.Tensor:
-    """A calibration payload: measures worker-to-worker bandwidth with real frames."""
-    return torch.zeros(nbytes // 4, dtype=torch.float32)
+def probe_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
+    """A calibration payload: measures worker-to-worker bandwidth with real frames.
+
+    Made on the device the KV blocks live on (``ModelSpec.device``; "auto" resolved here),
+    so a GPU cluster measures device-to-device moves, not host copies.
+    """
+    dev = _default_device(ModelSpec("", "float32", 1, "", device))
+    return torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
 
 
 def touch(*tensors: torch.Tensor) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from ..attention import attention_for
 from .quiet import quiet_loading
+from .random_llama import RANDOM_SPECS, build_random
 from .smollm2 import SMOLLM2_ID, smollm2_path
 from .tiny import TINY_SPECS, build_tiny
 
@@ -63,7 +64,7 @@ def _is_local(name: str) -> bool:
 
 def model_id_for(name: str) -> str:
     """The stable id a model is known by (cache keys, fingerprints, logs)."""
-    if name in TINY_SPECS or name == SMOLLM2_ID:
+    if name in TINY_SPECS or name in RANDOM_SPECS or name == SMOLLM2_ID:
         return name
     if _is_local(name):
         return str(Path(name).expanduser().resolve())
@@ -75,13 +76,16 @@ def resolve_model_path(name: str) -> Path:
     if name in TINY_SPECS:
         with quiet_loading():
             return build_tiny(name)
+    if name in RANDOM_SPECS:
+        with quiet_loading():
+            return build_random(name)
     if name == SMOLLM2_ID:
         return smollm2_path()
     if _is_local(name):
         return Path(name).expanduser().resolve()
     if name.count("/") != 1:
         raise ValueError(
-            f"unknown model {name!r}: not one of {sorted([*TINY_SPECS, SMOLLM2_ID])}, "
+            f"unknown model {name!r}: not one of {sorted([*TINY_SPECS, *RANDOM_SPECS, SMOLLM2_ID])}, "
             "not an existing path, not a hub id (owner/name)"
         )
     from huggingface_hub import snapshot_download
@@ -121,7 +125,7 @@ def _load_cached(model_id: str, dtype: torch.dtype, device: str) -> LoadedModel:
 def load_model(
     name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
 ) -> LoadedModel:
-    """Load (once per process) a named tiny model, ``"smollm2"``, a local path or a hub id."""
+    """Load (once per process) a named tiny or random-weight model, ``"smollm2"``, a local path or a hub id."""
     model_id = model_id_for(str(name_or_path))  # normalized, so "./m" and "/abs/m" share an entry
     with _LOCK:
         return _load_cached(model_id, as_dtype(dtype), str(torch.device(device)))

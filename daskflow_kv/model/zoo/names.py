@@ -14,9 +14,10 @@ from pathlib import Path
 from ...errors import InvalidInputError
 from ...validation import model_source
 from .smollm2 import SMOLLM2_ID, smollm2_available, smollm2_dir
+from .random_llama import RANDOM_SPECS
 from .tiny import TINY_SPECS
 
-KNOWN_MODELS = (*sorted(TINY_SPECS), SMOLLM2_ID)
+KNOWN_MODELS = (*sorted(TINY_SPECS), SMOLLM2_ID, *sorted(RANDOM_SPECS))
 
 
 def _hub_cache() -> Path:
@@ -48,6 +49,8 @@ def max_positions(name: str) -> int | None:
     """The model's position limit if known without loading it (a spec or a saved config.json)."""
     if name in TINY_SPECS:
         return TINY_SPECS[name]["max_position_embeddings"]
+    if name in RANDOM_SPECS:
+        return RANDOM_SPECS[name]["config"]["max_position_embeddings"]
     path = smollm2_dir() if name == SMOLLM2_ID else Path(name).expanduser()
     try:
         cfg = json.loads((path / "config.json").read_text())
