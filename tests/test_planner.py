@@ -1,4 +1,4 @@
-"""The planner as a pure function: placements and transfer-vs-recompute decisions on plain data."""
+"""The planner as a pure function: earliest-finish-time placement and per-destination decisions."""
 
 import math
 
@@ -12,6 +12,8 @@ from daskflow_kv.policy.cost_model import (
 )
 from daskflow_kv.policy.placement import (
     ClusterView,
+    batch_seconds,
+    held_prefix,
     holder_of,
     plan_placements,
     read_blocks,
@@ -19,33 +21,75 @@ from daskflow_kv.policy.placement import (
 
 A, B, C = "tcp://a:1", "tcp://b:1", "tcp://c:1"
 BLOCK = 16 * 46_080  # bytes of one 16-token block of a SmolLM2-sized model
-PROFILE = PrefillProfile(0.002, 0.002, 0.0)  # 2 ms + 2 ms/token
+PROFILE = PrefillProfile(0.002, 0.002, 0.0)  # 2 ms per call + 2 ms per token
 
 
-def _match(n_blocks=4, where=(A,), partial=0):
-    blocks = [{"key": f"kvblock-{i}", "start": 16 * i, "end": 16 * (i + 1), "nbytes": BLOCK, "where": list(where)}
-              for i in range(n_blocks)]
+def _match(n_blocks=4, where=(A,), partial=0, cached=True):
+    """``cached``: the blocks exist (who_has); else they are still being computed where ``where`` says."""
+    blocks = [{"key": f"kvblock-{i}", "start": 16 * i, "end": 16 * (i + 1), "nbytes": BLOCK, "where": list(where),
+               "who_has": list(where) if cached else []} for i in range(n_blocks)]
     if partial:
         s = 16 * n_blocks
         blocks.append({"key": "kvblock-tail", "start": s, "end": s + partial, "nbytes": partial * 46_080,
-                       "where": list(where)})
+                       "where": list(where), "who_has": list(where) if cached else []})
     return {"tokens": blocks[-1]["end"] if blocks else 0, "blocks": blocks}
 
 
-def _view(workers=(A, B), bandwidth=None, profile=PROFILE, **kw):
+def _view(workers=(A, B), bandwidth=None, profile=PROFILE, busy=None, **kw):
     bw = {} if bandwidth is None else {(s, d): bandwidth for s in workers for d in workers if s != d}
-    ws = {w: {"nthreads": 1, "processing": 0, "kv_bytes": 0} for w in workers}
+    ws = {w: {"nthreads": 1, "processing": 0, "kv_bytes": 0, "busy_s": (busy or {}).get(w, 0.0)} for w in workers}
     return ClusterView(ws, bw, {w: profile for w in workers} if profile else {}, **kw)
 
 
-def test_branches_spread_holder_first_and_each_destination_decides_once():
+def test_cheap_batching_keeps_every_branch_with_the_blocks():
+    """Decode batched on the holder costs one call per step: moving the prefix buys nothing."""
+    out = plan_placements(_view(bandwidth=1e9, profile=PrefillProfile(0.05, 1e-5, 0.0)), _match(), [64] * 4, 4,
+                          new_tokens=[8] * 4, max_new_tokens=16)
+    assert {p.worker for p in out} == {A} and {p.action for p in out} == {"reuse"}
+    assert [p.first for p in out] == [True, False, False, False]
+
+
+def test_costly_decode_spreads_branches_and_each_destination_decides_once():
+    """Per-token work dominates: half the branches go to B, which fetches the blocks once."""
+    out = plan_placements(_view(bandwidth=1e9, profile=PrefillProfile(0.0, 0.01, 0.0)), _match(), [64] * 4, 4,
+                          new_tokens=[8] * 4, max_new_tokens=16)
+    on_b = [p for p in out if p.worker == B]
+    assert len(on_b) == 2 and {p.action for p in on_b} == {"transfer"}
+    assert on_b[0].decision is on_b[1].decision and [p.first for p in on_b] == [True, False]
+    assert on_b[0].decision.nbytes == 4 * BLOCK  # the blocks the destination needs, once
+    assert all(p.finish_s > 0 and set(p.candidates) == {A, B} for p in out)
+
+
+def test_idle_worker_rebuilds_a_prefix_still_being_made_instead_of_waiting_for_it():
+    """The 0.86x case: A is prefilling the context; B, idle, prefills it too rather than wait + fetch."""
+    prof = PrefillProfile(0.0, 0.01, 0.0)
+    making = 64 * 0.01  # A's queue: the prefix's own prefill
+    view = _view(bandwidth=1e8, profile=prof, busy={A: making})
+    out = plan_placements(view, _match(cached=False), [64] * 4, 4, new_tokens=[8] * 4, max_new_tokens=16)
+    on_b = [p for p in out if p.worker == B]
+    assert on_b and on_b[0].action == "recompute" and on_b[0].recompute_tokens == 64
+    d = on_b[0].decision
+    assert d.src_ready == pytest.approx(making) and d.start_recompute < d.start_transfer
+
+
+def test_busy_destination_takes_a_copy_instead_of_queueing_a_rebuild():
+    """B has 5 s of work queued: fetching (beside that work) beats prefilling after it."""
+    view = _view(bandwidth=1e8, profile=PrefillProfile(0.0, 0.01, 0.0), busy={B: 5.0})
+    [p] = plan_placements(view, _match(), [64], 1, workers=[B])
+    assert p.worker == B and p.action == "transfer"
+    assert p.decision.start_transfer == pytest.approx(5.0)  # the fetch ran while B was busy
+
+
+def test_partial_recompute_prefills_only_what_the_destination_lacks():
     m = _match()
-    out = plan_placements(_view(bandwidth=1e9), m, [64] * 4, 4, "auto")
-    assert [p.worker for p in out] == [A, B, A, B]
-    assert [p.action for p in out] == ["reuse", "transfer", "reuse", "transfer"]
-    assert out[1].decision is out[3].decision  # one decision per destination, shared
-    assert [p.first for p in out] == [True, True, False, False]
-    assert out[1].decision.nbytes == 4 * BLOCK  # the needed blocks, not per branch
+    for b in m["blocks"][:2]:
+        b["where"], b["who_has"] = [A, B], [A, B]  # B already holds the first 32 tokens
+    assert held_prefix(m, 64, B) == 32 and held_prefix(m, 64, A) == 64
+    [p] = plan_placements(_view(bandwidth=1e3), m, [64], 1, workers=[B])  # a slow link: rebuild
+    assert p.action == "recompute" and p.held_tokens == 32
+    d = p.decision
+    assert (d.missing_tokens, d.prefix_tokens, d.nbytes) == (32, 32, 2 * BLOCK)
+    assert d.t_recompute == pytest.approx(PROFILE.seconds(32, 32))
 
 
 def test_forced_bandwidth_flips_the_decision_at_the_crossover():
@@ -64,47 +108,52 @@ def test_forced_bandwidth_flips_the_decision_at_the_crossover():
     assert low.decision.t_recompute == pytest.approx(PROFILE.seconds(tokens))
 
 
+def test_fitted_latency_is_used_for_the_link():
+    view = _view(bandwidth=1e9, latency={(A, B): 0.002})
+    assert view.link(A, B).latency == 0.002 and view.link(B, A).latency == 0.002
+    assert _view(bandwidth=1e9).link(A, B).latency == DEFAULT_LATENCY
+
+
 def test_huge_state_against_cheap_prefill_recomputes():
-    m = _match(n_blocks=8)
     cheap = PrefillProfile.from_rate(1e7)
-    p = plan_placements(_view(bandwidth=1e9, profile=cheap), m, [128], 1, "auto", workers=[B])[0]
+    p = plan_placements(_view(bandwidth=1e9, profile=cheap), _match(n_blocks=8), [128], 1, "auto", workers=[B])[0]
     assert p.action == "recompute" and p.decision.t_recompute < p.decision.t_transfer
 
 
 def test_forced_policies_and_pin():
     m = _match()
-    t = plan_placements(_view(), m, [64, 64], 2, "transfer")  # no measurements needed when forced
-    assert [p.action for p in t] == ["reuse", "transfer"]
-    r = plan_placements(_view(), m, [64, 64], 2, "recompute")
-    assert [p.action for p in r] == ["reuse", "recompute"] and r[1].recompute_tokens == 64
+    t = plan_placements(_view(), m, [64, 64], 2, "transfer", workers=[B])  # no measurements needed when forced
+    assert {p.action for p in t} == {"transfer"}
+    r = plan_placements(_view(), m, [64, 64], 2, "recompute", workers=[B])
+    assert {p.action for p in r} == {"recompute"} and r[0].recompute_tokens == 64
     pin = plan_placements(_view(), m, [64] * 3, 3, "pin")
     assert {p.worker for p in pin} == {A} and {p.action for p in pin} == {"reuse"}
 
 
 def test_auto_without_measurements_asks_for_calibration():
     with pytest.raises(NeedsCalibration):
-        plan_placements(_view(bandwidth=None), _match(), [64, 64], 2, "auto")
+        plan_placements(_view(bandwidth=None), _match(), [64], 1, "auto", workers=[B])
     with pytest.raises(NeedsCalibration):
         plan_placements(_view(bandwidth=1e9, profile=None), _match(), [64, 64], 2, "auto")
-    # nothing to move: no measurement needed
-    assert plan_placements(_view(bandwidth=None), _match(), [64], 1, "auto")[0].action == "reuse"
+    # one branch, one worker, everything there: nothing to measure
+    assert plan_placements(_view(workers=(A,), bandwidth=None), _match(), [64], 1, "auto")[0].action == "reuse"
 
 
-def test_workers_limit_the_pool_even_for_one_branch():
+def test_workers_limit_the_pool():
     p = plan_placements(_view(bandwidth=1e9), _match(), [64], 1, "transfer", workers=[B])[0]
     assert p.worker == B and p.action == "transfer"
     q = plan_placements(_view(workers=(A, B, C), bandwidth=1e9), _match(), [64] * 3, 3, "transfer", workers=[B, C])
-    assert [p.worker for p in q] == [B, C, B]
+    assert {p.worker for p in q} <= {B, C}
 
 
 def test_only_blocks_missing_on_the_destination_count():
     m = _match()
-    m["blocks"][0]["where"] = [A, B]  # a replica of the first block is already on B
-    m["blocks"][1]["where"] = [A, B]
+    for b in m["blocks"][:2]:  # replicas of the first two blocks are already on B
+        b["where"], b["who_has"] = [A, B], [A, B]
     p = plan_placements(_view(bandwidth=1e9), m, [64], 1, "transfer", workers=[B])[0]
     assert p.decision.nbytes == 2 * BLOCK
     for b in m["blocks"]:
-        b["where"] = [A, B]
+        b["where"], b["who_has"] = [A, B], [A, B]
     q = plan_placements(_view(bandwidth=None), m, [64], 1, "auto", workers=[B])[0]
     assert q.action == "reuse"
 
@@ -118,27 +167,30 @@ def test_partial_prefix_reads_fewer_blocks():
 
 
 def test_destination_decision_covers_its_longest_branch():
-    m = _match()
-    out = plan_placements(_view(bandwidth=1e9), m, [63, 64, 63, 64], 4, "recompute", workers=[B])
+    out = plan_placements(_view(bandwidth=1e9), _match(), [63, 64, 63, 64], 4, "recompute", workers=[B])
     assert {p.worker for p in out} == {B}
     assert out[0].recompute_tokens == 64 and all(p.recompute_tokens == 0 for p in out[1:])
     assert len({id(p.decision) for p in out}) == 1
 
 
 def test_pending_blocks_count_where_they_are_planned_and_unknown_location_defers_to_dask():
-    m = _match(where=(B,))  # "where" of a block still being computed: its planned worker
+    m = _match(where=(B,), cached=False)  # "where" of a block still being computed: its planned worker
     assert holder_of(m["blocks"]) == B
-    assert plan_placements(_view(), m, [64], 1, "auto")[0].worker == B
+    assert plan_placements(_view(bandwidth=1e9), m, [64], 1, "auto")[0].worker == B
     nowhere = _match(where=())
     p = plan_placements(_view(), nowhere, [64, 64], 2, "auto")
     assert [q.decision for q in p] == [None, None] and [q.reused for q in p] == [64, 64]
 
 
-def test_nothing_cached_places_on_least_loaded():
-    view = _view()
-    view.workers[A]["processing"] = 3
-    p = plan_placements(view, {"tokens": 0, "blocks": []}, [0], 1, "pin")[0]
+def test_nothing_cached_places_on_the_least_busy():
+    p = plan_placements(_view(busy={A: 3.0}), {"tokens": 0, "blocks": []}, [0], 1, "pin")[0]
     assert p.worker == B and p.decision is None and p.reused == 0
+
+
+def test_batch_cost_grows_with_branches_and_decode_steps():
+    one = batch_seconds(PROFILE, 64, [8], 16)
+    assert batch_seconds(PROFILE, 64, [8, 8], 16) > one > batch_seconds(PROFILE, 64, [8], 1)
+    assert batch_seconds(PROFILE, 64, [], 16) == 0.0
 
 
 def test_bad_arguments():

@@ -143,8 +143,10 @@ def test_bytes_moved_once_per_destination_worker(client, rt, engine, workers):
     before = rt.counters()["counters"]["bytes_transferred"]
     kids = rt.fork(root, 4)
     sufs = [rt.encode(s) for s in SUFFIXES]
-    gens = rt.resume_many(list(zip(kids, sufs)), max_new_tokens=NEW, policy="transfer")
-    assert sorted(g.worker for g in gens) == [a, a, b, b]
+    pairs = list(zip(kids, sufs))  # two branches on each worker: where they run is this test's choice
+    gens = (rt.resume_many(pairs[:2], max_new_tokens=NEW, policy="transfer", workers=[a])
+            + rt.resume_many(pairs[2:], max_new_tokens=NEW, policy="transfer", workers=[b]))
+    assert [g.worker for g in gens] == [a, a, b, b]
     assert [g.placement.action for g in gens if g.worker == b] == ["transfer", "transfer"]
     for g, s in zip(gens, sufs):
         assert g.tokens == engine.generate_text(ctx + s, NEW).tokens
@@ -188,7 +190,8 @@ def test_forced_bandwidth_flips_the_plan_and_outputs_stay_identical(client, rt, 
         results[bw] = (g, got)
         d = g.placement.decision
         assert g.worker == b and g.tokens == want
-        assert d.t_transfer == pytest.approx(DEFAULT_LATENCY + root.nbytes / bw)
+        latency = rt.view().link(a, b).latency  # fitted by a calibration, else the default
+        assert d.t_transfer == pytest.approx(latency + root.nbytes / bw)
         assert d.t_recompute == pytest.approx(1e-3 * len(ctx))
         assert d.action == decide(root.nbytes, len(ctx), 0, a, b, LinkProfile(bw), rt.prefill_override).action
     (low, low_got), (high, high_got) = results[1e3], results[1e12]
@@ -356,15 +359,18 @@ def test_calibration_feeds_the_auto_plan(client, rt, workers):
     d = g.placement.decision
     assert g.worker == b and d.src == a and d.dst == b and d.nbytes == root.nbytes
     assert d.bandwidth > 0 and d.t_recompute > 0  # both sides measured, none assumed
-    assert d.t_transfer == pytest.approx(DEFAULT_LATENCY + root.nbytes / d.bandwidth)
-    assert d.action == ("transfer" if d.t_transfer < d.t_recompute else "recompute")
+    link = rt.view().link(a, b)
+    assert link.latency != DEFAULT_LATENCY and 0 < link.latency < 1  # fitted from probes of two sizes
+    assert d.t_transfer == pytest.approx(link.latency + root.nbytes / d.bandwidth)
+    assert d.action == ("transfer" if d.start_transfer < d.start_recompute else "recompute")
 
 
 def test_prefill_outputs_and_replicas_are_released(client, rt, workers):
     a, b = workers
     root = rt.materialize(_ctx(rt, "leaks"), worker=a)
     kids = rt.fork(root, 4)
-    gens = rt.resume_many([(k, rt.encode(" Go.")) for k in kids[:2]], max_new_tokens=2, policy="recompute")
+    gens = rt.resume_many([(k, rt.encode(" Go.")) for k in kids[:2]], max_new_tokens=2, policy="recompute",
+                          workers=[b])
     gens += rt.resume_many([(k, rt.encode(" Go.")) for k in kids[2:]], max_new_tokens=2, policy="transfer")
     assert {g.worker for g in gens} == {a, b} and "recompute" in {g.placement.action for g in gens}
     rt.wait([g.state for g in gens])

@@ -31,7 +31,7 @@ class AgentResult:
     tokens: list[int]  # generated ids
     prompt_tokens: int  # prompt length fed to the model
     worker: str  # where the agent's decode ran
-    ttft_s: float  # shared prefix materialize (wall) + load + suffix prefill on the worker
+    ttft_s: float  # from the workflow's start to this agent's first token: queueing, shared prefill and upstream levels included
     prefill_s: float  # seconds prefilling on the worker (this agent's part)
     decode_s: float
     tokens_reused: int  # prompt tokens taken from KV blocks
@@ -39,6 +39,8 @@ class AgentResult:
     tokens_recomputed: int = 0  # prefix tokens rebuilt on this agent's worker (recompute plan, first branch)
     bytes_transferred: int = 0  # KV bytes the plan moved to this agent's worker for it
     decision: str = ""  # reuse | transfer | recompute | text
+    first_token_at: float = 0.0  # wall clock of the first token (the worker's time.time())
+    level_started_at: float = 0.0  # wall clock when this agent's level was started
 
 
 @dataclass(slots=True)
@@ -96,10 +98,11 @@ def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     outputs: dict[str, str] = {}
     results: dict[str, AgentResult] = {}
     level_tokens = []
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         if progress:
             progress("text", lvl, len(cw.levels), names)
+        level_at = time.time()
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         futures = {
             n: rt.generate_text(prompts[n], wf.agents[n].max_new_tokens, wf.agents[n].sampling, stream=i)
@@ -111,8 +114,9 @@ def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
             m = _metrics(res)
             outputs[n] = rt.decode(res.generated)
             results[n] = AgentResult(
-                n, lvl, outputs[n], list(res.generated), len(prompts[n]), res.worker, m["ttft_s"], m["prefill_s"],
-                m["decode_s"], tokens_reused=0, tokens_computed=len(prompts[n]), decision="text",
+                n, lvl, outputs[n], list(res.generated), len(prompts[n]), res.worker, m["first_token_at"] - wall0,
+                m["prefill_s"], m["decode_s"], tokens_reused=0, tokens_computed=len(prompts[n]), decision="text",
+                first_token_at=m["first_token_at"], level_started_at=level_at,
             )
     return WorkflowResult(wf.name, "text", results, time.perf_counter() - t0, level_tokens, cw)
 
@@ -125,25 +129,24 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     states = {}
     followed = {a.follows for a in wf.agents.values() if a.follows}
     level_tokens = []
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         if progress:
             progress("state", lvl, len(cw.levels), names)
+        level_at = time.time()
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         add_level_nodes(cw, lvl, prompts, estimated=False)
         computed = 0
         buckets: dict[tuple, list] = {}
-        shared_s: dict[str, float] = {}
         for group in group_by_prefix(prompts, rt.block_size):
             first = prompts[group.members[0]]
-            tm = time.perf_counter()
+            # Not waited for: the planner places the branches while the prefix is still being
+            # made, so an idle worker may rebuild it in parallel rather than wait for a copy.
             prefix = rt.materialize(first[: group.prefix_len])  # reuses any cached part of it
-            rt.wait([prefix])
             event = prefix.state.lineage[-1].as_dict()
             computed += event["tokens_computed"]
             for member, branch in zip(group.members, rt.fork(prefix, len(group.members))):
                 a = wf.agents[member]
-                shared_s[member] = time.perf_counter() - tm
                 key = (a.max_new_tokens, a.sampling, _RUNTIME_POLICY[a.policy])
                 buckets.setdefault(key, []).append((member, branch, prompts[member][group.prefix_len :]))
             rt.release(prefix)
@@ -159,12 +162,13 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
                 outputs[name] = gen.text
                 results[name] = AgentResult(
                     name, lvl, gen.text, list(gen.tokens), len(prompts[name]), gen.worker,
-                    shared_s[name] + m["ttft_s"], m["prefill_s"], m["decode_s"],
+                    m["first_token_at"] - wall0, m["prefill_s"], m["decode_s"],
                     tokens_reused=m["tokens_reused"],
                     tokens_computed=m["tokens_computed"],
                     tokens_recomputed=m.get("tokens_recomputed", 0),
                     bytes_transferred=moved,
                     decision=d.action if d is not None else "reuse",
+                    first_token_at=m["first_token_at"], level_started_at=level_at,
                 )
                 lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
                 rt.release(branch)

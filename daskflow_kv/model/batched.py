@@ -193,6 +193,7 @@ def resume_batch(
         take(group, _forward(twin, cache, group, [suffixes[b] for b in group], runner.device))
         forwards += 1
     t2 = time.perf_counter()
+    first_at = time.time()  # every branch's first token comes out of the batched suffix prefill
     finished_at = [t2] * k
     active = [b for b in range(k) if live(b)]
     while active:
@@ -213,6 +214,7 @@ def resume_batch(
         )
         m = RunMetrics(tokens_reused=prefix_len, tokens_computed=len(suffixes[b]), tokens_generated=len(generated[b]))
         m.load_s, m.prefill_s, m.decode_s = t1 - t0, t2 - t1, finished_at[b] - t2
+        m.first_token_at = first_at
         m.export_s = time.perf_counter() - te
         logits = torch.stack(kept[b]) if (return_logits and kept[b]) else None
         outputs.append(RunOutput(generated[b], fed, blocks, logits, m))

@@ -30,6 +30,7 @@ class RunMetrics:
     prefill_s: float = 0.0  # forward over the new tokens (to the first generated token)
     decode_s: float = 0.0  # the remaining decode steps
     export_s: float = 0.0  # cutting the new blocks out of the cache
+    first_token_at: float = 0.0  # wall clock (time.time()) when the first token was sampled: TTFT's end
 
     @property
     def ttft_s(self) -> float:
@@ -143,6 +144,7 @@ class ModelRunner:
             generated.append(choose(logits, sampling, gen_stream))
             kept.append(logits)
         t2 = time.perf_counter()
+        m.first_token_at = time.time()
         while generated and len(generated) < max_new_tokens and generated[-1] not in self.eos_ids:
             logits = self._forward(cache, [generated[-1]])
             generated.append(choose(logits, sampling, gen_stream))

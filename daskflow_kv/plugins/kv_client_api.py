@@ -98,10 +98,11 @@ class KVClientAPI:
         return {
             "workers": {
                 addr: {"nthreads": ws.nthreads, "processing": len(ws.processing), "kv_bytes": kv_bytes[addr],
-                       "occupancy": ws.occupancy}
+                       "busy_s": self.busy_seconds(addr)}
                 for addr, ws in sch.workers.items()
             },
             "bandwidth": self.bandwidth(s.namespace),
+            "latency": {f"{a}->{b}": lat for (ns, a, b), lat in self.probed_latency.items() if ns == s.namespace},
             "default_bandwidth": sch.bandwidth,
             "prefill_profiles": self.prefill_profiles(),
             "kv_budget_bytes": self.kv_budget_bytes,
@@ -147,10 +148,13 @@ class KVClientAPI:
         s = self._session(session)
         return self.counters_view(None if s.is_admin else s.namespace)
 
-    def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float) -> None:
-        """A calibration probe's figure, used for this namespace's plans (others keep theirs)."""
+    def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float,
+                                latency: float | None = None) -> None:
+        """A calibration probe's figures, used for this namespace's plans (others keep theirs)."""
         s = self._session(session)
         self.probed_bandwidth[(s.namespace, src, dst)] = float(bandwidth)
+        if latency is not None:
+            self.probed_latency[(s.namespace, src, dst)] = float(latency)
 
     # -- knobs that affect everyone ---------------------------------------------------------------
     def handle_configure(self, session: str, kv_budget_bytes=None, memory_weight=None, unset_budget=False) -> None:

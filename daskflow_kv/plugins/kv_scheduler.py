@@ -116,6 +116,9 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         self.catalog = KVCatalog()
         self.samples: dict[str, deque] = defaultdict(lambda: deque(maxlen=max_samples))
         self.probed_bandwidth: dict[tuple[str, str, str], float] = {}  # (namespace, src, dst) -> bytes/s
+        self.probed_latency: dict[tuple[str, str, str], float] = {}  # (namespace, src, dst) -> s per fetch
+        self._predicted: dict = {}  # KV compute task key -> (target worker, predicted seconds), from the plan
+        self._running: dict = {}  # key -> (worker, when it was sent there): the queue the planner waits on
         self.tenants = TenantRegistry()  # replaced at start by the scheduler's own configuration
         self.decisions: deque = deque(maxlen=256)  # recent cost-model decisions, newest last
         self.events: deque = deque(maxlen=1024)  # recent lifecycle events
@@ -206,6 +209,8 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
             di.pin(self.scheduler, ts, target)
         for k in reads:
             self.catalog.touch(k)
+        if note.get("predicted_s") is not None:
+            self._predicted[ts.key] = (target, float(note["predicted_s"]))
         op = note.get("op", "compute")
         self._event(op + "-task", namespace, key=str(ts.key), worker=target, state_id=note.get("state_id"),
                     reads=len(reads))
@@ -226,6 +231,8 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         if key in self._held:
             self._admission_transition(key, start, finish)
+        if key in self._predicted:
+            self._track_queue(key, start, finish)
         entry = self.catalog.blocks.get(key)
         if entry is None:
             return
@@ -257,6 +264,33 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         elif finish == "erred":
             self.catalog.set_status(key, "erred")
             self.catalog.index.remove(key)
+
+    # -- the queue the planner sees ------------------------------------------------------------
+    def _track_queue(self, key, start: str, finish: str) -> None:
+        ts = self.scheduler.tasks.get(key)
+        if finish == "processing" and ts is not None and ts.processing_on is not None:
+            self._running[key] = (ts.processing_on.address, time.time())
+        elif start == "processing":
+            self._running.pop(key, None)
+            if finish in ("memory", "erred", "released", "forgotten"):
+                self._predicted.pop(key, None)
+        elif finish in ("forgotten", "erred"):
+            self._predicted.pop(key, None)
+
+    def busy_seconds(self, worker: str) -> float:
+        """Predicted seconds of KV work still queued on ``worker``.
+
+        Its KV tasks (one thread runs them in turn) take the times their plans predicted;
+        what has run since the first was sent there is subtracted. Tasks parked for
+        admission, planned for ``worker``, count too: they will run there.
+        """
+        now = time.time()
+        sent = [(t0, self._predicted[k][1]) for k, (w, t0) in self._running.items() if w == worker]
+        parked = sum(p for k, (w, p) in self._predicted.items() if w == worker and k not in self._running
+                     and k in self._held)
+        if not sent:
+            return parked
+        return max(0.0, sum(p for _, p in sent) - (now - min(t0 for t0, _ in sent))) + parked
 
     def log_event(self, topic, msg) -> None:
         if topic != PREFILL_TOPIC or not isinstance(msg, dict) or not msg.get("new_tokens"):

@@ -100,11 +100,14 @@ _SUPPORTS = [(1,), (0,), (2,), (0, 1), (1, 2), (0, 2), (0, 1, 2)]
 
 
 def fit_prefill_profile(samples: Sequence[PrefillSample]) -> PrefillProfile:
-    """Least squares with a, b, c >= 0. With 1-2 samples: a pure per-token rate.
+    """Least squares on *relative* error with a, b, c >= 0. With 1-2 samples: a per-token rate.
 
-    Non-negative least squares in 3 unknowns is solved exactly by trying every support
-    (the optimum is the unconstrained fit on its own support) and keeping the best
-    feasible one: 7 tiny solves, no numpy or scipy.
+    Each sample's equation is divided by its measured time, so a 64-token probe and a
+    4,096-token prefill count alike: plain least squares lets the longest samples decide
+    everything and mispredicts short ones, or (fitted on short ones only) extrapolates the
+    attention term far off at long contexts. Non-negative least squares in 3 unknowns is
+    solved exactly by trying every support (the optimum is the unconstrained fit on its own
+    support) and keeping the best feasible one: 7 tiny solves, no numpy or scipy.
     """
     used = [s for s in samples if s.new_tokens > 0]
     if not used:
@@ -114,7 +117,9 @@ def fit_prefill_profile(samples: Sequence[PrefillSample]) -> PrefillProfile:
     if len(used) < 3:  # too few points to separate three terms: a rate is the honest model
         return PrefillProfile(0.0, sum(s.seconds for s in used) / sum(s.new_tokens for s in used),
                               0.0, tuple(samples))
-    rows, y = [list(_features(s)) for s in used], [s.seconds for s in used]
+    weight = [1.0 / max(s.seconds, 1e-9) for s in used]
+    rows = [[f * w for f in _features(s)] for s, w in zip(used, weight)]
+    y = [s.seconds * w for s, w in zip(used, weight)]  # all 1: each sample's relative error
     tol = 1e-12 * sum(t * t for t in y)
     fits = []
     for rank, cols in enumerate(_SUPPORTS):
@@ -140,6 +145,41 @@ class LinkProfile:
         return self.latency + nbytes / self.bandwidth
 
 
+def calibration_lengths(longest: int, shortest: int = 64) -> list[int]:
+    """Prefill lengths to calibrate on: every 4x from ``shortest``, then half and all of
+    ``longest``. Spread over the range the planner will predict (a profile fitted on short
+    prefills alone mispredicts long ones: 4x at 4k tokens, measured)."""
+    longest = max(int(longest), 8)
+    out = {longest, max(8, longest // 2)}
+    n = min(shortest, longest)
+    while n < longest // 2:
+        out.add(n)
+        n *= 4
+    return sorted(out)
+
+
+def fit_link(samples: Sequence[tuple[int, float]]) -> LinkProfile:
+    """A link from timed transfers of several sizes: seconds = latency + nbytes / bandwidth.
+
+    The line through the points (least squares); with one size, or a fit that would make
+    either term non-positive, the bandwidth of the largest transfer and the default latency.
+    """
+    pts = [(float(n), float(s)) for n, s in samples if n > 0 and s > 0]
+    if not pts:
+        raise ValueError("fit_link needs at least one transfer with bytes > 0 and seconds > 0")
+    biggest = max(pts)
+    fallback = LinkProfile(biggest[0] / biggest[1], DEFAULT_LATENCY)
+    if len({n for n, _ in pts}) < 2:
+        return fallback
+    mean_n = sum(n for n, _ in pts) / len(pts)
+    mean_s = sum(s for _, s in pts) / len(pts)
+    slope = sum((n - mean_n) * (s - mean_s) for n, s in pts) / sum((n - mean_n) ** 2 for n, _ in pts)
+    latency = mean_s - slope * mean_n
+    if slope <= 0 or latency <= 0:
+        return fallback
+    return LinkProfile(1.0 / slope, latency)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     action: str  # "reuse" | "transfer" | "recompute"
@@ -155,6 +195,18 @@ class Decision:
     dst: str  # the worker that runs the consumer
     bandwidth: float  # bytes/s used for t_transfer (nan when unknown)
     reason: str  # one human sentence
+    src_ready: float = 0.0  # s until the blocks exist on src (their prefill may still be running)
+    dst_wait: float = 0.0  # s of work queued on dst before it could start a recompute
+
+    @property
+    def start_transfer(self) -> float:
+        """When dst could start the consumer with fetched blocks (a fetch runs beside dst's work)."""
+        return max(self.dst_wait, self.src_ready + self.t_transfer)
+
+    @property
+    def start_recompute(self) -> float:
+        """When dst could start the consumer after prefilling the tokens itself (its thread does it)."""
+        return self.dst_wait + self.t_recompute
 
     @property
     def cost(self) -> float:
@@ -169,9 +221,14 @@ def needs_calibration(link: LinkProfile | None, prefill: PrefillProfile | None) 
 
 def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None, dst: str,
            link: LinkProfile | None, prefill: PrefillProfile | None,
-           memory_weight: float = 0.0, forced: str | None = None) -> Decision:
+           memory_weight: float = 0.0, forced: str | None = None,
+           src_ready: float = 0.0, dst_wait: float = 0.0) -> Decision:
     """Reuse, transfer or recompute the ``missing_tokens`` tokens after ``prefix_tokens`` on dst.
 
+    The option that lets dst *start* its consumer earlier wins: a transfer can begin once
+    the blocks exist on src (``src_ready`` s from now) and runs beside dst's queued work; a
+    recompute runs on dst's own thread after its ``dst_wait`` s of queued work. On idle
+    workers with blocks already cached this is plain "transfer time < recompute time".
     ``memory_weight`` (lambda, s per byte) charges the bytes the action leaves on dst. Both a
     transfer and a recompute leave the same ``nbytes`` there, so it never flips this choice;
     it is reported so a planner ranking candidate dst workers sees that running where the
@@ -185,7 +242,7 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
     def make(action: str, t_tr: float, t_rc: float, reason: str) -> Decision:
         mem = 0.0 if action == "reuse" else memory_weight * nbytes
         return Decision(action, t_tr, t_rc, mem, t_tr + mem, t_rc + mem, nbytes, missing_tokens,
-                        prefix_tokens, src, dst, bw, reason)
+                        prefix_tokens, src, dst, bw, reason, src_ready, dst_wait)
 
     if missing_tokens <= 0 or src == dst:
         why = "nothing is missing on dst" if missing_tokens <= 0 else "the blocks are already on dst"
@@ -201,9 +258,10 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
     missing = needs_calibration(link, prefill)
     if missing:
         raise NeedsCalibration(f"cannot compare transfer and recompute: measure {', '.join(missing)}")
-    if t_tr < t_rc:
-        return make("transfer", t_tr, t_rc, "fetching the blocks is faster than prefilling them")
-    return make("recompute", t_tr, t_rc, "prefilling the tokens is no slower than fetching them")
+    start_tr, start_rc = max(dst_wait, src_ready + t_tr), dst_wait + t_rc
+    if start_tr < start_rc:
+        return make("transfer", t_tr, t_rc, "fetching the blocks lets dst start sooner than prefilling them")
+    return make("recompute", t_tr, t_rc, "prefilling the tokens on dst lets it start no later than fetching them")
 
 
 def crossover_bandwidth(nbytes: int, missing_tokens: int, prefill: PrefillProfile,
@@ -239,9 +297,11 @@ def explain(d: Decision) -> str:
     """One line with the numbers, for logs and the catalog."""
     ms = lambda t: "n/a" if math.isnan(t) else ("inf" if math.isinf(t) else f"{t * 1e3:.1f} ms")
     bw = "n/a" if math.isnan(d.bandwidth) else f"{d.bandwidth / 1e9:.2f} GB/s"
+    waits = (f", src ready in {ms(d.src_ready)}, dst busy for {ms(d.dst_wait)}"
+             if (d.src_ready or d.dst_wait) else "")
     return (f"{d.action} {d.src}->{d.dst}: transfer {d.nbytes / 1e6:.2f} MB @ {bw} = "
             f"{ms(d.t_transfer)}, recompute {d.missing_tokens} tok after {d.prefix_tokens} = "
-            f"{ms(d.t_recompute)}, memory {ms(d.memory_cost)} ({d.reason})")
+            f"{ms(d.t_recompute)}{waits}, memory {ms(d.memory_cost)} ({d.reason})")
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -1,20 +1,24 @@
-"""Where each KV consumer runs, and how its prefix gets there. Pure: plain data in and out.
+"""Where each KV consumer runs, and how its prefix gets there: earliest finish time. Pure.
 
-Given what the scheduler plugin reports (where the matched blocks are or will be, measured
-bandwidth per worker pair, fitted prefill profiles, load), ``plan_placements`` spreads k
-branches over workers and, per destination that lacks some of the blocks, asks the cost
-model whether to transfer them or recompute the prefix there. Each destination pays that
-once: all its branches share one ``Decision`` (the same object), and the first branch
-placed there (``first``) is the one that pays for it.
+For every branch the planner estimates, on each candidate worker, when the branch would
+finish: when the worker is free (the KV work already queued there), when its prefix can
+be there - already there, fetched after the source has made it, or prefilled on the
+worker itself from the part of it the worker already holds (partial recompute) - and how
+long the branch's own suffix prefill and decode take, batched with the branches already
+placed there. It picks the earliest finish (ties: the worker that already holds the
+blocks - no bytes moved, no extra memory - then the pool's order). Parallel recompute on
+idle workers, transfer to busy ones and pinning to the holder are all outcomes of that
+one rule, not special cases. Each destination pays for its prefix once: all its branches
+share one ``Decision`` and the first branch placed there (``first``) carries it.
 
 A ``match`` is the plugin's lookup answer: ``{"tokens": int, "blocks": [{"key", "start",
-"end", "nbytes", "where": [worker, ...]}, ...]}`` where ``where`` lists the workers that
-hold the block, or, while it is still being computed, the worker it is planned on.
+"end", "nbytes", "who_has": [...], "where": [worker, ...]}, ...]}``; ``where`` lists the
+workers that hold a block or, while it is still being computed, the worker it is planned on.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .cost_model import Decision, LinkProfile, NeedsCalibration, PrefillProfile, decide
 
@@ -23,30 +27,42 @@ POLICIES = ("auto", "transfer", "recompute", "pin")
 
 @dataclass(slots=True)
 class ClusterView:
-    workers: dict[str, dict]  # address -> {"nthreads", "processing", "kv_bytes"}
+    workers: dict[str, dict]  # address -> {"nthreads", "processing", "kv_bytes", "busy_s"}
     bandwidth: dict[tuple[str, str], float]  # (src, dst) -> measured bytes/s
     prefill: dict[str, PrefillProfile]  # worker -> fitted profile
     memory_weight: float = 0.0  # lambda, s per byte left on a destination
     bandwidth_override: float | None = None  # what-if: every pair at this bandwidth
     prefill_override: PrefillProfile | None = None  # what-if: every worker with this profile
+    latency: dict[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> fitted s per fetch
 
     @classmethod
     def from_snapshot(cls, snap: dict, bandwidth_override=None, prefill_override=None) -> ClusterView:
-        bw = {}
-        for pair, value in snap["bandwidth"].items():
-            src, dst = pair.split("->")
-            bw[(src, dst)] = value
+        def pairs(d):
+            out = {}
+            for pair, value in (d or {}).items():
+                src, dst = pair.split("->")
+                out[(src, dst)] = value
+            return out
+
         profiles = {w: PrefillProfile(p["a"], p["b"], p["c"]) for w, p in snap["prefill_profiles"].items()}
-        return cls(snap["workers"], bw, profiles, snap.get("memory_weight") or 0.0, bandwidth_override, prefill_override)
+        return cls(snap["workers"], pairs(snap["bandwidth"]), profiles, snap.get("memory_weight") or 0.0,
+                   bandwidth_override, prefill_override, pairs(snap.get("latency")))
 
     def link(self, src: str, dst: str) -> LinkProfile | None:
+        lat = self.latency.get((src, dst)) or self.latency.get((dst, src))
         if self.bandwidth_override is not None:
-            return LinkProfile(self.bandwidth_override)
+            return LinkProfile(self.bandwidth_override) if lat is None else LinkProfile(self.bandwidth_override, lat)
         bw = self.bandwidth.get((src, dst)) or self.bandwidth.get((dst, src))
-        return LinkProfile(bw) if bw else None
+        if not bw:
+            return None
+        return LinkProfile(bw) if lat is None else LinkProfile(bw, lat)
 
     def profile(self, worker: str) -> PrefillProfile | None:
         return self.prefill_override or self.prefill.get(worker)
+
+    def busy(self, worker: str | None) -> float:
+        """Seconds of KV work queued on ``worker`` (what its running tasks still need)."""
+        return float((self.workers.get(worker) or {}).get("busy_s", 0.0)) if worker else 0.0
 
 
 @dataclass(slots=True)
@@ -54,8 +70,11 @@ class Placement:
     worker: str | None  # where the consumer runs (None: let Dask choose)
     reused: int  # prefix tokens the consumer reads from blocks instead of prefilling
     decision: Decision | None  # how the prefix reaches ``worker`` (None: nothing cached)
-    recompute_tokens: int = 0  # >0 on the first branch of a "recompute" worker: tokens rebuilt there
+    recompute_tokens: int = 0  # >0 on the first branch of a "recompute" worker: prefix tokens rebuilt there
     first: bool = False  # the first branch placed on ``worker``: it pays the transfer or recompute
+    held_tokens: int = 0  # leading prefix tokens ``worker`` already holds (a recompute starts there)
+    finish_s: float = 0.0  # predicted seconds from now until this branch's batch finishes on ``worker``
+    candidates: dict[str, float] = field(default_factory=dict)  # worker -> predicted finish, when it was placed
 
     @property
     def action(self) -> str:
@@ -67,6 +86,11 @@ class Placement:
 
 def _where(block: dict) -> list[str]:
     return list(block.get("where", block.get("who_has", ())))
+
+
+def _ready_on(block: dict, worker: str, view: ClusterView) -> float:
+    """Seconds until ``block`` exists on ``worker`` (0 when cached there; else when its prefill ends)."""
+    return 0.0 if worker in block.get("who_has", ()) else view.busy(worker)
 
 
 def holder_of(blocks: list[dict]) -> str | None:
@@ -83,6 +107,57 @@ def read_blocks(match: dict, reused: int) -> list[dict]:
     return [b for b in match["blocks"] if b["start"] < reused]
 
 
+def held_prefix(match: dict, reused: int, worker: str) -> int:
+    """Leading tokens of the first ``reused`` that ``worker`` already holds, block by block."""
+    held = 0
+    for b in read_blocks(match, reused):
+        if worker not in _where(b):
+            break
+        held = min(b["end"], reused)
+    return held
+
+
+def prefix_decision(view: ClusterView, match: dict, reused: int, dst: str | None,
+                    forced: str | None = None) -> Decision | None:
+    """How ``dst`` gets the blocks covering ``reused`` tokens; None when nothing is read.
+
+    Only the blocks ``dst`` lacks count: a transfer fetches them from the worker holding the
+    most of them, a recompute prefills from where ``dst``'s own leading blocks end.
+    """
+    reads = read_blocks(match, reused)
+    if not reads or dst is None:
+        return None
+    held = held_prefix(match, reused, dst)
+    missing = [b for b in reads if dst not in _where(b)]
+    if not missing:  # everything is (or will be) on dst already
+        ready = max(_ready_on(b, dst, view) for b in reads)
+        return decide(0, 0, reused, dst, dst, None, None, view.memory_weight, src_ready=ready, dst_wait=ready)
+    src = holder_of(missing)
+    if src is None:  # being recomputed somewhere Dask has not chosen yet: let Dask place it
+        return None
+    nbytes = sum(b["nbytes"] for b in missing)
+    src_ready = max(_ready_on(b, src, view) for b in missing)
+    return decide(nbytes, reused - held, held, src, dst, view.link(src, dst), view.profile(dst),
+                  view.memory_weight, forced, src_ready=src_ready, dst_wait=view.busy(dst))
+
+
+def batch_seconds(profile: PrefillProfile, reused: int, suffixes: list[int], max_new: int) -> float:
+    """Suffix prefill and decode of branches batched over one prefix of ``reused`` tokens.
+
+    One forward feeds every suffix (their tokens attend to the prefix and half their own
+    length on average), then ``max_new - 1`` steps each feed one token per branch: a step
+    costs what a prefill of ``len(suffixes)`` tokens over the grown context costs.
+    """
+    if not suffixes:
+        return 0.0
+    t = profile.seconds(sum(suffixes), reused)
+    steps = max(0, max_new - 1)
+    if steps:
+        ctx = reused + max(suffixes) + steps / 2
+        t += steps * profile.seconds(len(suffixes), int(ctx))
+    return t
+
+
 def plan_placements(
     view: ClusterView,
     match: dict,
@@ -91,69 +166,117 @@ def plan_placements(
     policy: str = "auto",
     worker: str | None = None,
     workers: list[str] | None = None,
+    new_tokens: list[int] | None = None,
+    max_new_tokens: int = 1,
 ) -> list[Placement]:
-    """One placement per branch. ``reused[i]``: prefix tokens branch i can take from blocks.
+    """One placement per branch. ``reused[i]``: prefix tokens branch i can take from blocks;
+    ``new_tokens[i]``: tokens it prefills itself (default 1); ``max_new_tokens``: its decode.
 
-    policy: auto (cost model per destination) | transfer | recompute (forced for every
-    destination that lacks blocks) | pin (every branch where the blocks are). ``worker``
-    puts every branch on one worker; ``workers`` limits the pool branches spread over.
+    policy: auto (earliest finish time, the cost model choosing each destination's
+    transfer or recompute) | transfer | recompute (forced for every destination that lacks
+    blocks; branches still spread by finish time) | pin (every branch where the blocks are).
+    ``worker`` puts every branch on one worker; ``workers`` limits the pool.
     Raises NeedsCalibration when auto needs a measurement nobody has taken yet.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown state policy {policy!r}; expected one of {POLICIES}")
     if len(reused) != n:
         raise ValueError(f"{n} branches but {len(reused)} reuse counts")
+    new_tokens = [1] * n if new_tokens is None else list(new_tokens)
+    if len(new_tokens) != n:
+        raise ValueError(f"{n} branches but {len(new_tokens)} new-token counts")
     holder = holder_of(match["blocks"])
     pool = [w for w in (workers or sorted(view.workers)) if w in view.workers] or sorted(view.workers)
-    if worker is not None:
-        targets = [worker] * n
-    elif policy == "pin":
-        targets = [holder if holder in view.workers else _least_loaded(view, pool)] * n
-    else:
-        targets = _spread(pool, holder, n)
+    forced = policy if policy in ("transfer", "recompute") else None
+    if worker is not None or policy == "pin" or not pool:
+        target = worker if worker is not None else (holder if holder in view.workers else _least_busy(view, pool))
+        return _fixed(view, match, reused, [target] * n, forced)
+    return _earliest_finish(view, match, reused, new_tokens, max_new_tokens, pool, holder, forced)
 
-    need: dict[str | None, int] = {}  # destination -> largest prefix one of its branches reads
+
+def _fixed(view, match, reused, targets, forced) -> list[Placement]:
+    """Every branch where it was told to go; one decision per destination."""
+    need: dict[str | None, int] = {}
     for dst, r in zip(targets, reused):
         need[dst] = max(need.get(dst, 0), r)
-    forced = policy if policy in ("transfer", "recompute") else None
-    decisions = {dst: _decide(view, match, r, dst, forced) for dst, r in need.items()}
-
+    decisions = {dst: prefix_decision(view, match, r, dst, forced) for dst, r in need.items()}
     out, seen = [], set()
     for dst, r in zip(targets, reused):
         d, first = decisions[dst], dst not in seen
         seen.add(dst)
         rebuild = need[dst] if (first and d is not None and d.action == "recompute") else 0
-        out.append(Placement(dst, r, d, rebuild, first))
+        held = held_prefix(match, need[dst], dst) if dst else 0
+        out.append(Placement(dst, r, d, rebuild, first, held))
     return out
 
 
-def _decide(view: ClusterView, match: dict, reused: int, dst: str | None, forced: str | None) -> Decision | None:
-    """How ``dst`` gets the blocks covering ``reused`` tokens; None when nothing is read."""
-    reads = read_blocks(match, reused)
-    if not reads or dst is None:
-        return None
-    missing = [b for b in reads if dst not in _where(b)]
-    if not missing:  # everything is (or will be) on dst already
-        return decide(0, 0, reused, dst, dst, None, None, view.memory_weight)
-    src = holder_of(missing)
-    if src is None:  # being recomputed somewhere Dask has not chosen yet: let Dask place it
-        return None
-    nbytes = sum(b["nbytes"] for b in missing)
-    return decide(nbytes, reused, 0, src, dst, view.link(src, dst), view.profile(dst), view.memory_weight, forced)
+@dataclass(slots=True)
+class _Dest:
+    """A destination while branches are being placed on it."""
+
+    decision: Decision | None  # how its prefix gets there
+    start: float  # when its batch can start (its queue done and its prefix there)
+    reused: int  # prefix tokens its branches read
+    branches: list[int] = field(default_factory=list)  # indices placed there
+    suffixes: list[int] = field(default_factory=list)  # their own tokens
 
 
-def _least_loaded(view: ClusterView, pool: list[str]) -> str | None:
+def _earliest_finish(view, match, reused, new_tokens, max_new, pool, holder, forced) -> list[Placement]:
+    profiles = {w: view.profile(w) for w in pool}
+    if any(p is None for p in profiles.values()) and (len(reused) > 1 or len(pool) > 1):
+        raise NeedsCalibration("cannot estimate finish times: measure the prefill profile on every worker")
+    order = sorted(pool, key=lambda w: (w != holder, pool.index(w)))  # ties: the holder, then pool order
+    dests: dict[str, _Dest] = {}
+    placed: list[tuple[str, dict[str, float]]] = []
+    for i, (r, s) in enumerate(zip(reused, new_tokens)):
+        options = {}
+        for w in order:
+            d = dests.get(w) or _open(view, match, r, w, forced)
+            if d is None:
+                continue
+            prof = profiles[w] or PrefillProfile(0.0, 0.0, 0.0)
+            finish = d.start + batch_seconds(prof, max(d.reused, r), d.suffixes + [s], max_new)
+            options[w] = (finish, d)
+        if not options:
+            raise NeedsCalibration("no destination can be costed: measure link bandwidth and prefill profiles")
+        best = min(order, key=lambda w: (options[w][0], order.index(w)) if w in options else (float("inf"), 0))
+        finish, d = options[best]
+        d.branches.append(i)
+        d.suffixes.append(s)
+        d.reused = max(d.reused, r)
+        dests[best] = d
+        placed.append((best, {w: f for w, (f, _) in options.items()}))
+
+    finishes = {w: d.start + batch_seconds(profiles[w] or PrefillProfile(0.0, 0.0, 0.0), d.reused, d.suffixes,
+                                           max_new) for w, d in dests.items()}
+    out, seen = [], set()
+    for (w, cands), r in zip(placed, reused):
+        d = dests[w]
+        first = w not in seen
+        seen.add(w)
+        rebuild = d.reused if (first and d.decision is not None and d.decision.action == "recompute") else 0
+        out.append(Placement(w, r, d.decision, rebuild, first, held_prefix(match, d.reused, w), finishes[w], cands))
+    return out
+
+
+def _open(view, match, reused, w, forced) -> _Dest | None:
+    """A destination before any branch is placed on it: how its prefix would get there."""
+    try:
+        d = prefix_decision(view, match, reused, w, forced)
+    except NeedsCalibration:
+        raise
+    if d is None:
+        return _Dest(None, view.busy(w), reused)
+    if d.action == "reuse":
+        return _Dest(d, d.start_transfer, reused)
+    return _Dest(d, d.start_transfer if d.action == "transfer" else d.start_recompute, reused)
+
+
+def _least_busy(view: ClusterView, pool: list[str]) -> str | None:
     if not pool:
         return None
-    return min(pool, key=lambda w: (view.workers[w].get("processing", 0), w))
+    return min(pool, key=lambda w: (view.busy(w), view.workers[w].get("processing", 0), w))
 
 
-def _spread(pool: list[str], holder: str | None, n: int) -> list[str | None]:
-    """Round-robin, the holder first so it gets the extra branch on odd counts."""
-    order = ([holder] if holder in pool else []) + [w for w in pool if w != holder]
-    if not order:
-        return [None] * n
-    return [order[i % len(order)] for i in range(n)]
-
-
-__all__ = ["POLICIES", "ClusterView", "NeedsCalibration", "Placement", "holder_of", "plan_placements", "read_blocks"]
+__all__ = ["POLICIES", "ClusterView", "NeedsCalibration", "Placement", "batch_seconds", "held_prefix", "holder_of",
+           "plan_placements", "prefix_decision", "read_blocks"]

@@ -1,9 +1,12 @@
 """Probes that give the cost model measurements before any workflow has run.
 
-Bandwidth: a real payload of ``probe_bytes`` made on one worker (on the runtime's device:
-a GPU cluster measures device-to-device moves) and read by a task on another; the figure is the receiver's own transfer record (Dask's ``transfer_incoming_log``),
-not a timer around the call. Prefill: a real prefill of a few sizes on every worker, which
-reports its timing to the scheduler plugin like any other prefill.
+Links: real payloads of two sizes made on one worker (on the runtime's device: a GPU
+cluster measures device-to-device moves) and read by a task on another; the figures are
+the receiver's own transfer records (Dask's ``transfer_incoming_log``), not a timer around
+the call, and a line through them gives the pair's latency and bandwidth. Prefill: real
+prefills of lengths spread up to the longest the caller will predict (``probe_tokens``),
+on every worker at once, each reporting its timing to the scheduler plugin like any other
+prefill; the profile is fitted over the whole spread, so it does not extrapolate.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from distributed import wait
 
 from .. import config, validation
 from ..dask_internals import incoming_transfers
+from ..policy.cost_model import LinkProfile, calibration_lengths, fit_link
 from . import tasks
 
 
@@ -26,7 +30,8 @@ def _transfer_record(dask_worker, key):
     return None
 
 
-def measure_bandwidth(client, src: str, dst: str, nbytes: int, device: str = "cpu") -> float:
+def timed_transfer(client, src: str, dst: str, nbytes: int, device: str = "cpu") -> tuple[int, float]:
+    """(bytes, seconds) of one real move of ``nbytes`` from src to dst, from dst's own record."""
     payload = client.submit(tasks.probe_bytes, nbytes, device, workers=[src], pure=False)
     wait(payload)
     reader = client.submit(tasks.touch, payload, workers=[dst], allow_other_workers=False, pure=False)
@@ -35,17 +40,33 @@ def measure_bandwidth(client, src: str, dst: str, nbytes: int, device: str = "cp
     del payload, reader
     if rec is None:
         raise RuntimeError(f"no transfer of the probe was recorded on {dst}")
-    return rec["total"] / max(rec["duration"], 1e-6)
+    return rec["total"], max(rec["duration"], 1e-6)
 
 
-def measure_prefill(runtime, worker: str, sizes=(32, 128, 256)) -> None:
+def measure_bandwidth(client, src: str, dst: str, nbytes: int, device: str = "cpu") -> float:
+    total, seconds = timed_transfer(client, src, dst, nbytes, device)
+    return total / seconds
+
+
+def measure_link(client, src: str, dst: str, nbytes: int, device: str = "cpu") -> LinkProfile:
+    """Latency and bandwidth of src -> dst from moves of ``nbytes`` and of 1/16 of it."""
+    small = max(256 << 10, nbytes // 16)
+    return fit_link([timed_transfer(client, src, dst, n, device) for n in (small, nbytes, small)])
+
+
+def measure_prefill(runtime, workers: list[str], sizes) -> None:
+    """Prefill each length once on every worker, all workers at once (each reports its timing)."""
     rng = random.Random(0)
+    futures = []
     for n in sizes:
         n = min(n, runtime.facts.max_positions - 1)
-        tokens = [rng.randrange(3, runtime.facts.vocab_size) for _ in range(n)]
-        req = tasks.PrefillRequest(tuple(tokens), 0, op="calibrate")
-        runtime.client.submit(tasks.prefill, runtime.spec, req, workers=[worker], allow_other_workers=False,
-                              pure=False).result()
+        tokens = tuple(rng.randrange(3, runtime.facts.vocab_size) for _ in range(n))
+        req = tasks.PrefillRequest(tokens, 0, op="calibrate")
+        futures += [runtime.client.submit(tasks.prefill, runtime.spec, req, workers=[w], allow_other_workers=False,
+                                          pure=False) for w in workers]
+    wait(futures)
+    for f in futures:
+        f.result()  # a failed probe says so here
 
 
 def calibrate(runtime, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
@@ -55,16 +76,15 @@ def calibrate(runtime, probe_bytes: int | str | None = None, probe_tokens: int |
                                       minimum=8)  # it also prefills probe_tokens // 8
     client = runtime.client
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    bandwidth = {}
+    bandwidth, latency = {}, {}
     for src, dst in itertools.permutations(workers, 2):
-        bw = measure_bandwidth(client, src, dst, probe_bytes, runtime.spec.device)
-        runtime._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=bw)
-        bandwidth[f"{src}->{dst}"] = bw
-    for w in workers:
-        measure_prefill(runtime, w, sizes=(probe_tokens // 8, probe_tokens // 2, probe_tokens))
+        link = measure_link(client, src, dst, probe_bytes, runtime.spec.device)
+        runtime._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=link.bandwidth, latency=link.latency)
+        bandwidth[f"{src}->{dst}"], latency[f"{src}->{dst}"] = link.bandwidth, link.latency
+    measure_prefill(runtime, workers, calibration_lengths(probe_tokens))
     deadline = time.time() + 10  # worker events reach the scheduler asynchronously
     profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
     while not all(w in profiles for w in workers) and time.time() < deadline:
         time.sleep(0.05)
         profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
-    return {"bandwidth": bandwidth, "prefill_profiles": profiles}
+    return {"bandwidth": bandwidth, "latency": latency, "prefill_profiles": profiles}

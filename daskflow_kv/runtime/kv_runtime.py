@@ -43,7 +43,7 @@ from ..errors import MergeError, StateReleasedError
 from ..state.kv_state import KVState, LineageEvent, new_state_id
 from ..model.sampling import GREEDY, SamplingParams
 from . import tasks
-from ..policy.placement import POLICIES, ClusterView, Placement, plan_placements, read_blocks
+from ..policy.placement import POLICIES, ClusterView, Placement, batch_seconds, plan_placements, read_blocks
 from .serialization import TorchSerializationPlugin
 
 
@@ -270,27 +270,37 @@ class KVRuntime(TextCodec):
         self._rpc("kv_register_states", metas=metas)
 
     # -- prefill --------------------------------------------------------------------------
-    def _plan(self, view, match: _Match, reused, n, policy, worker=None, workers=None):
+    def _plan(self, view, match: _Match, reused, n, policy, worker=None, workers=None, new_tokens=None,
+              max_new_tokens=1):
         """plan_placements, calibrating first if the cost model lacks a measurement."""
+        args = (match.plan_input(), reused, n, policy, worker, workers, new_tokens, max_new_tokens)
         try:
-            return plan_placements(view, match.plan_input(), reused, n, policy, worker, workers), view
+            return plan_placements(view, *args), view
         except NeedsCalibration:
             self.calibrate()
             view = self.view()
-            return plan_placements(view, match.plan_input(), reused, n, policy, worker, workers), view
+            return plan_placements(view, *args), view
+
+    def _predict(self, view, worker, reused: int, new_tokens: list[int], max_new_tokens: int) -> float | None:
+        """Seconds a compute task's plan expects it to run (the plugin tells later plans how
+        long ``worker`` stays busy)."""
+        prof = view.profile(worker) if worker else None
+        return None if prof is None else batch_seconds(prof, reused, new_tokens, max_new_tokens)
 
     def _record(self, p: Placement) -> None:
         if p.first and p.decision is not None:  # one decision per destination, not per branch
             self.decisions.append(p.decision)
 
-    def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
+    def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None,
+                      predicted_s=None) -> Future:
         return self._compute_task(tasks.prefill, req, inputs, _task_key(f"kvprefill-{req.op}", req.state_id), req.op,
-                                  req.state_id, worker, reads, placement)
+                                  req.state_id, worker, reads, placement, predicted_s=predicted_s)
 
-    def _batch_task(self, breq: tasks.BatchPrefillRequest, inputs, worker, reads=(), placement=None) -> Future:
+    def _batch_task(self, breq: tasks.BatchPrefillRequest, inputs, worker, reads=(), placement=None,
+                    predicted_s=None) -> Future:
         """One ``prefill_batch`` for several branches of one prefix on one worker."""
         return self._compute_task(tasks.prefill_batch, breq, inputs, _task_key(f"kvprefill-{breq.op}", breq.batch_id),
-                                  breq.op, breq.batch_id, worker, reads, placement,
+                                  breq.op, breq.batch_id, worker, reads, placement, predicted_s=predicted_s,
                                   branches=[r.state_id for r in breq.requests])
 
     def _compute_task(self, fn, req, inputs, key, op, state_id, worker, reads=(), placement=None, **extra) -> Future:
@@ -324,23 +334,29 @@ class KVRuntime(TextCodec):
         return sum((len(r.tokens) + r.max_new_tokens - aligned_floor(r.reused, self.block_size))
                    * self.facts.bytes_per_token for r in reqs)
 
-    def _inputs(self, match: _Match, p: Placement, tokens, replicas: dict) -> tuple[list, list[str]]:
+    def _inputs(self, match: _Match, p: Placement, tokens, replicas: dict, view=None) -> tuple[list, list[str]]:
         """(prefix block futures, keys read from the cache) for a consumer placed by ``p``."""
         if p.action == "recompute":  # rebuild the prefix on the destination, once per worker
             slot = (id(match), p.worker)
             if slot not in replicas:
-                replicas[slot] = self._replica(tokens[: max(p.recompute_tokens, p.reused)], p.worker)
+                need = max(p.recompute_tokens, p.reused)
+                replicas[slot] = self._replica(tokens[:need], p.worker, match, p.held_tokens, view)
             return list(replicas[slot]), []
         reads = [b["key"] for b in read_blocks(match.plan_input(), p.reused)]
         return [match.futures[k] for k in reads], reads
 
-    def _replica(self, tokens: list[int], worker: str) -> tuple[Future, ...]:
-        """Prefill a prefix on ``worker``: private blocks, same content, freed after their readers."""
+    def _replica(self, tokens: list[int], worker: str, match: _Match, held: int = 0, view=None) -> tuple[Future, ...]:
+        """Rebuild a prefix on ``worker`` from the ``held`` leading tokens it already holds
+        (partial recompute): its own blocks are read in place, only the rest is prefilled,
+        into private blocks freed after their readers."""
         sid = new_state_id("recompute")
-        out = self._prefill_task(tasks.PrefillRequest(tuple(tokens), 0, op="recompute", state_id=sid), [], worker)
-        n = -(-len(tokens) // self.block_size)
-        return tuple(self._submit_near(worker, tasks.take_block, out, i, key=_task_key(f"kvreplica-{sid}", i))
-                     for i in range(n))
+        own = [match.futures[b["key"]] for b in match.blocks if b["end"] <= held]  # held is block-aligned
+        predicted = self._predict(view, worker, held, [len(tokens) - held], 0) if view else None
+        out = self._prefill_task(tasks.PrefillRequest(tuple(tokens), held, op="recompute", state_id=sid), own, worker,
+                                 predicted_s=predicted)
+        n = len(split_spans(aligned_floor(held, self.block_size), len(tokens), self.block_size))
+        return tuple(own) + tuple(self._submit_near(worker, tasks.take_block, out, i,
+                                                    key=_task_key(f"kvreplica-{sid}", i)) for i in range(n))
 
     def materialize(self, tokens: Sequence[int] | str, worker: str | None = None) -> DistKVState:
         """Prefill ``tokens`` once on a worker (reusing any cached prefix, on any worker)."""
@@ -356,11 +372,13 @@ class KVRuntime(TextCodec):
         sid = new_state_id(op)
         target = None  # where the new blocks are made
         if reused < len(tokens):
-            [p], _ = self._plan(self.view(), match, [reused], 1, "pin", worker)
+            view = self.view()
+            [p], view = self._plan(view, match, [reused], 1, "pin", worker, None, [len(tokens) - reused], 0)
             self._record(p)
-            inputs, reads = self._inputs(match, p, tokens, {})
+            inputs, reads = self._inputs(match, p, tokens, {}, view)
             req = tasks.PrefillRequest(tuple(tokens), reused, op=op, state_id=sid)
-            source = self._prefill_task(req, inputs, p.worker, reads, p)
+            source = self._prefill_task(req, inputs, p.worker, reads, p,
+                                        self._predict(view, p.worker, reused, [len(tokens) - reused], 0))
             make, spans, target = (lambda i: (tasks.take_block, source, i)), split_spans(floor, len(tokens), self.block_size), p.worker
         elif floor < reused:  # all cached; the request ends inside a cached block: cut it, no prefill
             tail = match.futures[match.blocks[-1]["key"]]
@@ -429,9 +447,13 @@ class KVRuntime(TextCodec):
         for idxs in groups.values():
             match = self._lookup(requests[idxs[0]][0].tokens)
             reused = [min(match.tokens, len(prompts[i]) - 1) for i in idxs]  # decode needs >= 1 fed token
-            placements, view = self._plan(view, match, reused, len(idxs), policy, None, workers)
+            new = [len(prompts[i]) - r for i, r in zip(idxs, reused)]
+            placements, view = self._plan(view, match, reused, len(idxs), policy, None, workers, new, max_new_tokens)
             for i, p in zip(idxs, placements):
                 plans[i] = (match, p)
+            for p in placements:  # the next group's plan sees this one's work queued
+                if p.worker in view.workers:
+                    view.workers[p.worker] = {**view.workers[p.worker], "busy_s": max(view.busy(p.worker), p.finish_s)}
 
         replicas: dict = {}
         sids = [new_state_id("resume") for _ in plans]
@@ -453,13 +475,15 @@ class KVRuntime(TextCodec):
         outputs: list[Future] = [None] * len(plans)  # type: ignore[list-item]
         for idxs in batches.values():
             match, p = plans[idxs[0]]
-            inputs, reads = self._inputs(match, p, prompts[idxs[0]], replicas)
+            inputs, reads = self._inputs(match, p, prompts[idxs[0]], replicas, view)
+            predicted = self._predict(view, p.worker, p.reused, [len(prompts[i]) - p.reused for i in idxs],
+                                      max_new_tokens)
             if len(idxs) == 1:
-                outputs[idxs[0]] = self._prefill_task(reqs[idxs[0]], inputs, p.worker, reads, p)
+                outputs[idxs[0]] = self._prefill_task(reqs[idxs[0]], inputs, p.worker, reads, p, predicted)
                 continue
             first = next((plans[i][1] for i in idxs if plans[i][1].first), p)  # carries the destination's decision
             breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{sids[idxs[0]]}")
-            out = self._batch_task(breq, inputs, p.worker, reads, first)
+            out = self._batch_task(breq, inputs, p.worker, reads, first, predicted)
             for j, i in enumerate(idxs):
                 outputs[i] = self._submit_near(p.worker, tasks.take_branch, out, j,
                                                key=_task_key("kvprefill-branch", sids[i]))
