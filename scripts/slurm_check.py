@@ -139,6 +139,8 @@ class Cancelled:
     worker: str = ""  # its worker's address
     kv_bytes: int = 0  # KV bytes it held when cancelled
     level: int = -1  # the level that was starting
+    at: float = 0.0  # when scancel ran (time.time())
+    in_flight: bool = False  # whether the workflow was still running then
     lost: set = field(default_factory=set)  # KV block keys the scheduler reported lost
     recomputed: set = field(default_factory=set)  # block keys recomputed from lineage
 
@@ -166,13 +168,18 @@ def cancel_mid_workflow(rt: KVRuntime, wf, text: WorkflowResult, where: Placemen
         say(f"level {level + 1}/{levels} starting: scancel {hit.job}{'' if delay is None else f' in {delay}s'} "
             f"({where.where(hit.worker)}, holding {hit.kv_bytes / 2**20:.2f} MiB of KV)")
         if delay is None:
-            subprocess.run(["scancel", hit.job], check=True)
+            scancel()
             wait_for(gone, 60, f"the worker of job {hit.job} to leave", poll=0.1)
         else:
-            threading.Timer(delay, subprocess.run, (["scancel", hit.job],)).start()
+            threading.Timer(delay, scancel).start()
+
+    def scancel():
+        hit.at = time.time()
+        subprocess.run(["scancel", hit.job], check=True)
 
     t0 = time.time()
     state = run_state_mode(_compiled(wf, rt), rt, progress=progress)
+    hit.in_flight = 0 < hit.at < time.time()
     wait_for(gone, 60, f"the worker of job {hit.job} to leave", poll=0.1)
     events = [m for t, m in rt.client.get_events("daskflow-kv") if t >= t0 and isinstance(m, dict)]
     hit.lost = {m["key"] for m in events if m.get("op") == "lost"}
@@ -260,7 +267,8 @@ def main(argv=None) -> int:
             cmp2, hit = cancel_mid_workflow(rt2, wf, cmp.text, where, delay=args.cancel_delay)
             wait_for(lambda: job_state(hit.job) != "RUNNING", 60, f"job {hit.job} to end")
             report(f"state mode with job {hit.job} cancelled at level {hit.level + 1}, vs text mode", cmp2, where)
-            say(f"job {hit.job}: {job_state(hit.job)}; {len(hit.lost)} KV blocks lost, "
+            say(f"job {hit.job}: {job_state(hit.job)}, cancelled while the workflow ran: {hit.in_flight}; "
+                f"{len(hit.lost)} KV blocks lost, "
                 f"{len(hit.recomputed)} recomputed from lineage; workers now {n_workers(client)}")
             if not any(where.job(a.worker) == hit.job for a in cmp2.state.agents.values()):
                 say(f"no agent's decode ran on job {hit.job} (it was cancelled before any did)")

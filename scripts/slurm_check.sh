@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Slurm for real: a daskflow-kv workflow whose workers are `sbatch` jobs (dask-jobqueue).
 #
-#   bash scripts/slurm_check.sh            # tiny model (+ a cancelled job, scale, adapt), then SmolLM2
+#   bash scripts/slurm_check.sh            # tiny model (+ a cancelled job, adapt, scale-down), then SmolLM2
 #   SLURM_CHECK_QUICK=1 bash scripts/slurm_check.sh   # tiny model only
 #   SLURM_CHECK_PYTEST=1 bash scripts/slurm_check.sh  # also run tests/test_slurm.py while Slurm is up
 #
@@ -179,7 +179,8 @@ main() {
   local check=(python scripts/slurm_check.py --log-directory "$SLURM_DIR/jobs")
   "${check[@]}" --model tiny-llama --workflow debate --cancel --elastic
   if [ -z "${SLURM_CHECK_QUICK:-}" ]; then
-    "${check[@]}" --model smollm2 --workflow rag
+    # SmolLM2: readers, then a synthesizer; a job is cancelled 1 s into the synthesizer's level.
+    "${check[@]}" --model smollm2 --workflow rag --agents 3 --cancel --cancel-delay 1
   fi
   if [ -n "${SLURM_CHECK_PYTEST:-}" ]; then
     python -m pytest -q tests/test_slurm.py

@@ -26,7 +26,8 @@ def _sinfo_answers() -> str | None:
     except subprocess.TimeoutExpired:
         return "sinfo did not answer within 20s"
     if out.returncode != 0 or not out.stdout.strip():
-        return f"no Slurm answers: sinfo says {(out.stderr or out.stdout).strip()[:200]!r}"
+        said = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+        return f"no Slurm answers (sinfo exited {out.returncode}: {said[-1] if said else 'nothing'})"
     return None
 
 

@@ -28,7 +28,6 @@ import fnmatch
 import ipaddress
 import os
 import shlex
-import sys
 import warnings
 from urllib.parse import urlsplit
 
@@ -76,12 +75,12 @@ def forwarded_env(environ=None, patterns=None) -> dict[str, str]:
 
 
 def _slurm_kwargs(kwargs: dict, kv_budget=None, env: dict | None = None) -> dict:
+    """SLURMCluster / SLURMJob keyword arguments: the caller's, completed as the module says."""
     kw = dict(kwargs)
     kw.setdefault("processes", 1)
     kw.setdefault("cores", kw["processes"] * config.get("cluster.threads-per-worker"))
     kw.setdefault("memory", format_bytes(kw["processes"] * parse_bytes(config.get("cluster.memory-limit"))))
     kw.setdefault("job_name", JOB_NAME)
-    kw.setdefault("python", sys.executable)
     per_worker = parse_bytes(kw["memory"]) // kw["processes"]
     budget = config.get_bytes("kv-budget", kv_budget)
     if budget is not None and budget >= per_worker:
