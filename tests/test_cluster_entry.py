@@ -116,7 +116,7 @@ def test_slurm_job_script_renders_worker_with_preload():
     assert "tcp://10.1.2.3:8786" in cmd and "--nthreads 4" in cmd
     assert f"--preload {kvc.WORKER_PRELOAD}" in cmd
     assert cmd.startswith(sys.executable)  # the client's Python (a venv's bin/python)
-    assert "--lifetime 1680s" in cmd  # retires 2m (retire-before-walltime) before the 30m walltime
+    assert "--lifetime 1680s --lifetime-stagger 60s" in cmd  # retires 2m (+-1m) before the 30m walltime
 
 
 def test_slurm_job_script_defaults_come_from_config_and_forward_the_environment():

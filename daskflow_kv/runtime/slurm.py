@@ -91,9 +91,12 @@ def _slurm_kwargs(kwargs: dict, kv_budget=None, env: dict | None = None) -> dict
     if WORKER_PRELOAD not in args:
         args += ["--preload", WORKER_PRELOAD]
     walltime = kw.get("walltime") or dask.config.get("jobqueue.slurm.walltime")
-    lifetime = worker_lifetime(walltime_seconds(walltime), config.get_seconds("slurm.retire-before-walltime"))
+    walltime_s = walltime_seconds(walltime)
+    lifetime = worker_lifetime(walltime_s, config.get_seconds("slurm.retire-before-walltime"))
     if lifetime is not None and "--lifetime" not in args:
-        args += ["--lifetime", f"{lifetime}s"]
+        # Jobs submitted together would retire together, with no worker left to take their
+        # blocks: spread the retirements over the margin, all still before the walltime.
+        args += ["--lifetime", f"{lifetime}s", "--lifetime-stagger", f"{(walltime_s - lifetime) // 2}s"]
     kw["worker_extra_args"] = args
 
     env = forwarded_env() if env is None else env
