@@ -10,9 +10,9 @@ What a worker job needs, and where it comes from when the caller does not say:
   ``--export=NONE`` still starts workers that import this daskflow_kv;
 - cores and memory from ``daskflow-kv.cluster`` (threads and memory per worker process, as
   on a local cluster), and a KV budget that fits in one worker's memory;
-- a worker lifetime shorter than the walltime by ``daskflow-kv.slurm.retire-before-walltime``,
-  so a worker retires (its KV blocks move to the others) before Slurm kills it, and ``adapt``
-  submits its successor;
+- a worker lifetime shorter than the walltime by ``daskflow-kv.slurm.retire-before-walltime``
+  (staggered by half of it), so a worker retires (its KV blocks move to the others) before
+  Slurm kills it, and ``adapt`` submits its successor;
 - a scale-down that retires the dropped workers (their KV blocks move) before it cancels
   their jobs, which SLURMCluster alone does not do;
 - a scheduler address the jobs can reach: a loopback address (what Dask picks on a host
