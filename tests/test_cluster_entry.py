@@ -115,6 +115,44 @@ def test_slurm_job_script_renders_worker_with_preload():
     [cmd] = [ln for ln in script.splitlines() if "distributed.cli.dask_worker" in ln]
     assert "tcp://10.1.2.3:8786" in cmd and "--nthreads 4" in cmd
     assert f"--preload {kvc.WORKER_PRELOAD}" in cmd
+    assert cmd.startswith(sys.executable)  # the client's Python (a venv's bin/python)
+    assert "--lifetime 1680s --lifetime-stagger 60s" in cmd  # retires 2m (+-1m) before the 30m walltime
+
+
+def test_slurm_job_script_defaults_come_from_config_and_forward_the_environment():
+    pytest.importorskip("dask_jobqueue")
+    import dask
+
+    with dask.config.set({"daskflow-kv.cluster.memory-limit": "3GiB", "daskflow-kv.cluster.threads-per-worker": 2}):
+        script = kvc.render_slurm_job_script("tcp://10.1.2.3:8786", processes=2, walltime="01:00:00",
+                                             env={"PYTHONPATH": "/src/my repo", "DASKFLOW_KV_CACHE": "/scratch/kv"})
+    assert "#SBATCH --cpus-per-task=4" in script and "#SBATCH --mem=6G" in script
+    assert "#SBATCH -J daskflow-kv-worker" in script
+    lines = script.splitlines()
+    exports = [ln for ln in lines if ln.startswith("export ")]
+    assert sorted(exports) == ["export DASKFLOW_KV_CACHE=/scratch/kv", "export PYTHONPATH='/src/my repo'"]
+    assert lines.index(exports[-1]) < next(i for i, ln in enumerate(lines) if "dask_worker" in ln)
+
+
+def test_slurm_kv_budget_must_fit_in_a_worker():
+    pytest.importorskip("dask_jobqueue")
+    with pytest.raises(ValueError, match="does not fit"):
+        kvc.render_slurm_job_script(kv_budget="4GiB", memory="8GiB", processes=2)
+    kvc.render_slurm_job_script(kv_budget="3GiB", memory="8GiB", processes=2)
+
+
+def test_slurm_helpers():
+    from daskflow_kv.runtime.slurm import forwarded_env, is_loopback, job_workers, walltime_seconds, worker_lifetime
+
+    assert [walltime_seconds(w) for w in ("30", "30:15", "01:00:00", "2-0", "1-02:03", "1-02:03:04", 90)] == [
+        1800, 1815, 3600, 172800, 93780, 93784, 5400]
+    assert walltime_seconds(None) is None and worker_lifetime(None, 120) is None
+    assert worker_lifetime(3600, 120) == 3480 and worker_lifetime(120, 120) == 60  # at least half the walltime
+    env = {"PYTHONPATH": "/x", "DASKFLOW_KV_CACHE": "/c", "DASK_DASKFLOW_KV__KV_BUDGET": "1GiB", "HOME": "/root"}
+    assert forwarded_env(env) == {k: v for k, v in env.items() if k != "HOME"}
+    assert job_workers(["C-1"], ["C-1", "C-10", "C-2"]) == ["C-1"]
+    assert job_workers(["C-1"], ["C-1-0", "C-1-1", "C-10-0"]) == ["C-1-0", "C-1-1"]
+    assert is_loopback("tcp://127.0.0.1:8786") and not is_loopback("tcp://10.0.0.5:8786")
 
 
 def test_slurm_cluster_preloads_the_plugin_on_its_scheduler():

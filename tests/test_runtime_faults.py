@@ -82,3 +82,22 @@ def test_killing_the_block_holder_mid_workflow_gives_identical_outputs(client):
     g = rt.resume(root, rt.encode(" After the failure."), max_new_tokens=NEW)
     assert g.tokens == engine.generate_text(ctx + rt.encode(" After the failure."), NEW).tokens
     del blocker
+
+
+def test_kv_task_loosened_while_no_worker_is_left_runs_on_a_new_worker():
+    """Every worker gone at once (all jobs of a Slurm cluster at their walltime): a KV task
+    planned on one of them is loosened with nowhere to go; a new worker must take it."""
+    from distributed import Client
+
+    from daskflow_kv.plugins.kv_scheduler import KVSchedulerPlugin
+    from daskflow_kv.runtime.cluster import local_cluster
+
+    with local_cluster(n_workers=0, threads_per_worker=1, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        client.register_plugin(KVSchedulerPlugin())
+        fut = client.submit(sum, [1, 2], key="kvprefill-orphan", workers=["tcp://127.0.0.1:9"], pure=False)
+        _until(lambda: client.run_on_scheduler(
+            lambda dask_scheduler: getattr(dask_scheduler.tasks.get("kvprefill-orphan"), "state", None)) == "no-worker",
+            what="the task to wait for a worker")
+        cluster.scale(1)
+        assert fut.result(timeout=60) == 3

@@ -323,6 +323,29 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
             di.unwant(scheduler, drop, CACHE_CLIENT, stimulus)
         self._event("worker-lost", None, worker=worker, rescheduled=len(stuck), dropped=len(drop))
 
+    def add_worker(self, scheduler, worker) -> None:
+        self._reschedule_orphans(f"kv-worker-added-{time.time()}")
+
+    def _reschedule_orphans(self, stimulus_id: str) -> None:
+        """Schedule KV tasks stuck in no-worker whose loosened restrictions name no live worker.
+
+        Dask retries a no-worker task on a new worker only if its restrictions name that
+        worker, loose or not, so a task loosened while no worker was left (every job of a
+        Slurm cluster gone at once) would wait forever. Runs on add_worker and every tick:
+        a worker may not be running yet when it is added.
+        """
+        s = self.scheduler
+        if not s.unrunnable or not s.running:
+            return
+        stuck = [ts for ts in list(s.unrunnable)
+                 if str(ts.key).startswith(KV_TASK_PREFIXES) and ts.loose_restrictions and ts.worker_restrictions
+                 and not any(w in s.workers for w in ts.worker_restrictions)]
+        if stuck:
+            s.transitions({ts.key: "processing" for ts in stuck}, stimulus_id=stimulus_id)
+            moved = sum(ts.state != "no-worker" for ts in stuck)
+            if moved:
+                self._event("rescheduled", keys=moved)
+
     def _cache_only(self, key) -> bool:
         ts = self.scheduler.tasks.get(key)
         if ts is None or ts.waiters:
@@ -373,9 +396,10 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
             self._pruned = now
             self.catalog.prune()
         try:
+            self._reschedule_orphans(f"kv-tick-{now}")
             self._enforce_budgets()
         except Exception:  # never let a bug here take the scheduler's loop down
-            logger.exception("daskflow-kv budget check failed")
+            logger.exception("daskflow-kv periodic check failed")
 
     # -- profiles -------------------------------------------------------------------------
     def prefill_profiles(self) -> dict[str, dict]:
