@@ -97,6 +97,16 @@ def fail_task(scheduler, key, exc: BaseException, stimulus_id: str) -> None:
     scheduler.send_all(client_msgs, worker_msgs)
 
 
+def unrunnable(scheduler) -> list:
+    """Tasks parked in no-worker (no valid worker for their restrictions)."""
+    return list(scheduler.unrunnable)
+
+
+def has_running_worker(scheduler) -> bool:
+    """At least one worker is up and accepting tasks (not only connected)."""
+    return bool(scheduler.running)
+
+
 def drop_replica(scheduler, worker: str, keys: Collection, stimulus_id: str) -> None:
     """Forget ``worker``'s copy of keys other workers also hold (what the AMM asks for)."""
     scheduler.request_remove_replicas(worker, list(keys), stimulus_id=stimulus_id)

@@ -65,6 +65,9 @@ def test_pin_holds_a_task_to_its_worker_and_loosen_lets_it_go(client, workers):
     # Pinned to a worker that does not exist: stuck in no-worker until loosened and rescheduled.
     third = client.submit(_where, key="internals-stranded", workers=["tcp://127.0.0.1:9"], pure=False)
     assert _until(lambda: _state(client, "internals-stranded") == "no-worker")
+    assert client.run_on_scheduler(
+        lambda dask_scheduler: ("internals-stranded" in {str(ts.key) for ts in di.unrunnable(dask_scheduler)},
+                                di.has_running_worker(dask_scheduler))) == (True, True)
 
     def free(dask_scheduler):
         ts = dask_scheduler.tasks["internals-stranded"]

@@ -335,16 +335,17 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         a worker may not be running yet when it is added.
         """
         s = self.scheduler
-        if not s.unrunnable or not s.running:
+        stuck_all = di.unrunnable(s)
+        if not stuck_all or not di.has_running_worker(s):
             return
-        stuck = [ts for ts in list(s.unrunnable)
+        stuck = [ts for ts in stuck_all
                  if str(ts.key).startswith(KV_TASK_PREFIXES) and ts.loose_restrictions and ts.worker_restrictions
                  and not any(w in s.workers for w in ts.worker_restrictions)]
         if stuck:
-            s.transitions({ts.key: "processing" for ts in stuck}, stimulus_id=stimulus_id)
+            di.reschedule(s, [ts.key for ts in stuck], stimulus_id)
             moved = sum(ts.state != "no-worker" for ts in stuck)
             if moved:
-                self._event("rescheduled", keys=moved)
+                self._event("rescheduled", None, keys=moved)
 
     def _cache_only(self, key) -> bool:
         ts = self.scheduler.tasks.get(key)

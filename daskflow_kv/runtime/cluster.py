@@ -55,7 +55,8 @@ def local_cluster(
     """
     from distributed import LocalCluster
 
-    n_workers = validation.setting("cluster.workers", n_workers, "n_workers", validation.integer, minimum=1)
+    # 0 is a cluster started empty and scaled later (the CLI asks for >= 1)
+    n_workers = validation.setting("cluster.workers", n_workers, "n_workers", validation.integer, minimum=0)
     threads = validation.setting("cluster.threads-per-worker", threads_per_worker, "threads_per_worker",
                                  validation.integer, minimum=1)
     memory_limit = config.get("cluster.memory-limit", memory_limit)
