@@ -144,6 +144,12 @@ def _prepare_model(name: str, steps: Steps) -> None:
     load_tokenizer(name)
 
 
+def _security(args):
+    from .runtime.security import kv_security
+
+    return kv_security(args.tls, args.tls_ca_file, args.tls_cert, args.tls_key)
+
+
 def _connect(args, steps: Steps):
     """A client on ``--scheduler`` with at least one worker, or a one-line error."""
     from . import config, validation
@@ -153,7 +159,7 @@ def _connect(args, steps: Steps):
     wait = validation.duration("setting daskflow-kv.connect-timeout", config.get("connect-timeout"))
     steps.start(f"[setup] connecting to {args.scheduler}")
     try:
-        client = connect(args.scheduler, timeout=max(wait, 5.0))
+        client = connect(args.scheduler, timeout=max(wait, 5.0), security=_security(args))
     except InvalidInputError:
         raise
     except Exception as e:  # refused mid-handshake, timed out, or not speaking Dask's protocol at all
@@ -180,16 +186,19 @@ def cmd_run(args, workflow: str) -> int:
             _prepare_model(args.model, steps)
         else:
             _prepare_model(args.model, steps)
-            steps.start(f"[setup] local cluster: {args.workers} workers x 1 thread")
+            security = _security(args)
+            steps.start(f"[setup] local cluster: {args.workers} workers x 1 thread" + (", TLS" if security else ""))
             target = cluster = local_cluster(n_workers=args.workers, dashboard_address=":0", kv_budget=args.kv_budget,
-                                             silence_logs=logging.WARNING if args.verbose else logging.ERROR)
+                                             silence_logs=logging.WARNING if args.verbose else logging.ERROR,
+                                             security=security)
         steps.end()
         link = getattr(cluster or client, "dashboard_link", None)
         if link:
             print(f"Dask dashboard: {link}   KV page: {link.rsplit('/', 1)[0]}/kv", flush=True)
         steps.start(f"[setup] loading {args.model} on the workers")
         budget = {"kv_budget_bytes": args.kv_budget} if args.scheduler and args.kv_budget is not None else {}
-        rt = kv_runtime(target, model=args.model, dtype=args.dtype, block_size=args.block_size, **budget)
+        rt = kv_runtime(target, security=getattr(target, "security", None), model=args.model, dtype=args.dtype,
+                        block_size=args.block_size, namespace=args.namespace, **budget)
         if args.mode != "text":
             _calibrate(rt, steps)
         steps.end()
@@ -271,6 +280,12 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", default=None, help="per-worker KV byte budget, e.g. 512MiB")
     p.add_argument("--json", default=None, help="write per-agent metrics and agreement here")
     p.add_argument("--explain", action="store_true", help="print G_s and the cost model's decisions")
+    p.add_argument("--namespace", default=None,
+                   help="tenant to act for (its secret comes from DASK_DASKFLOW_KV__SECRET, never a flag)")
+    p.add_argument("--tls", action="store_true", help="the local cluster talks TLS (a temporary self-signed CA)")
+    p.add_argument("--tls-ca-file", default=None, help="CA certificate (TLS; with --scheduler tls://...)")
+    p.add_argument("--tls-cert", default=None, help="this client's certificate (and the local cluster's)")
+    p.add_argument("--tls-key", default=None, help="the private key of --tls-cert")
 
 
 def _resolve_config(args) -> None:
@@ -309,6 +324,22 @@ def _resolve_config(args) -> None:
                                 f"agents, more than {most} (setting daskflow-kv.max-fork)")
     if not hasattr(args, "workers"):
         return
+    for flag in ("tls_ca_file", "tls_cert", "tls_key"):
+        if getattr(args, flag) is not None:
+            setattr(args, flag, v.readable_file("--" + flag.replace("_", "-"), getattr(args, flag)))
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InvalidInputError("--tls-cert and --tls-key go together")
+    if args.tls and (args.tls_ca_file or args.tls_cert):
+        raise InvalidInputError("--tls makes a temporary authority; with certificate files leave it out")
+    if args.tls and args.scheduler is not None:
+        raise InvalidInputError("--tls starts a TLS local cluster; for --scheduler tls://... give --tls-ca-file, "
+                                "--tls-cert and --tls-key")
+    if args.scheduler is not None and args.scheduler.startswith("tls://") and not args.tls_ca_file:
+        import dask  # Dask's own TLS settings may supply the files
+
+        if not dask.config.get("distributed.comm.tls.ca-file", None):
+            raise InvalidInputError(f"--scheduler {args.scheduler} is TLS: give --tls-ca-file, --tls-cert and "
+                                    "--tls-key (or set distributed.comm.tls.* in Dask's config)")
     if args.scheduler is not None:
         if args.workers is not None:
             raise InvalidInputError("--workers sizes the local cluster; it cannot be combined with --scheduler")
@@ -318,6 +349,8 @@ def _resolve_config(args) -> None:
     args.kv_budget = v.setting("kv-budget", args.kv_budget, "--kv-budget", v.optional, v.byte_size, minimum=0)
     if args.json is not None:
         args.json = v.writable_file("--json", args.json)
+    if args.namespace is not None and not isinstance(args.namespace, str):
+        raise InvalidInputError("--namespace must be a name")
 
 
 def _quiet(verbose: bool) -> None:

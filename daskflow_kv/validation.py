@@ -262,6 +262,18 @@ def writable_file(name: str, path) -> str:
     return str(p)
 
 
+def readable_file(name: str, path) -> str:
+    """An existing, readable file (a certificate, a key)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        _fail(name, "a file path", path)
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InvalidInputError(f"{name} {str(path)!r} is not an existing file")
+    if not os.access(p, os.R_OK):
+        raise InvalidInputError(f"{name} {str(path)!r} is not readable")
+    return str(p)
+
+
 def writable_dir(name: str, path) -> Path:
     """A directory that exists and is writable, or can be created under a writable one."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):

@@ -180,3 +180,18 @@ def test_cuda_cluster_says_what_is_missing():
         pytest.skip("a GPU and dask-cuda are present; the GPU test suite covers cuda_cluster")
     with pytest.raises(RuntimeError, match="dask-cuda|GPU"):
         kvc.cuda_cluster()
+
+
+def test_slurm_cluster_over_tls_puts_the_certificates_in_the_job_script():
+    pytest.importorskip("dask_jobqueue")
+    pytest.importorskip("cryptography")
+    from distributed import Security
+
+    cluster = kvc.slurm_cluster(security=Security.temporary(), cores=1, memory="2GiB", allow_loopback=True,
+                                scheduler_options={"dashboard_address": ":0"})
+    try:
+        assert cluster.scheduler_address.startswith("tls://")
+        script = cluster.job_script()
+        assert "--protocol tls://" in script and "--tls-ca-file" in script and "--tls-key" in script
+    finally:
+        cluster.close()

@@ -106,6 +106,7 @@ def cuda_cluster(
     kv_budget: str | int | None = None,
     dashboard_address: str | None = ":0",
     devices: str | Sequence[int | str] | None = None,
+    security=None,
     **kwargs,
 ):
     """A LocalCUDACluster over UCX with the KV plugins: one worker per GPU, two on a one-GPU machine.
@@ -115,6 +116,8 @@ def cuda_cluster(
     bytes: the comparison baseline). Extra keyword arguments go to LocalCUDACluster
     (``rmm_pool_size``, ``enable_nvlink``, ``memory_limit``, ...).
     """
+    if security is not None and protocol in ("ucx", "ucxx"):
+        raise ValueError("UCX has no TLS in Dask: pass protocol='tls' with security=, or leave security out")
     _require("dask_cuda", "cuda_cluster needs dask-cuda")
     gpus = gpu_count()
     if gpus == 0:
@@ -128,6 +131,7 @@ def cuda_cluster(
             CUDA_VISIBLE_DEVICES=",".join(slots),
             n_workers=len(slots),
             protocol=protocol,
+            security=security,
             dashboard_address=dashboard_address,
             scheduler_kwargs=scheduler_options(kv_budget),
             preload=[WORKER_PRELOAD],

@@ -35,7 +35,7 @@ import dask
 from dask.utils import format_bytes, parse_bytes
 
 from .. import config
-from .preloads import WORKER_PRELOAD, kv_dask_config, scheduler_options
+from .preloads import WORKER_PRELOAD, comm_protocol, kv_dask_config, scheduler_options
 
 JOB_NAME = "daskflow-kv-worker"
 
@@ -76,6 +76,7 @@ def forwarded_env(environ=None, patterns=None) -> dict[str, str]:
 
 def _slurm_kwargs(kwargs: dict, kv_budget=None, env: dict | None = None) -> dict:
     """SLURMCluster / SLURMJob keyword arguments: the caller's, completed as the module says."""
+    _require_jobqueue()  # registers the jobqueue.* settings read below
     kw = dict(kwargs)
     kw.setdefault("processes", 1)
     kw.setdefault("cores", kw["processes"] * config.get("cluster.threads-per-worker"))
@@ -159,7 +160,7 @@ def is_loopback(address: str) -> bool:
 
 
 def slurm_cluster(kv_budget: str | int | None = None, env: dict | None = None, allow_loopback: bool = False,
-                  **kwargs):
+                  security=None, **kwargs):
     """A dask_jobqueue.SLURMCluster: the scheduler runs here with the KV plugin preloaded,
     workers run in SLURM jobs with the tensor serializers preloaded.
 
@@ -169,9 +170,13 @@ def slurm_cluster(kv_budget: str | int | None = None, env: dict | None = None, a
     for a scheduler address only this host can reach (a single-node Slurm). Other keyword
     arguments go to ``SLURMCluster`` (queue, account, cores, memory, walltime, interface,
     job_script_prologue, log_directory, ...). Call ``.scale(jobs=n)`` or ``.adapt(...)``
-    to submit worker jobs.
+    to submit worker jobs. ``security``: a ``distributed.Security`` with certificate files
+    every node can read: the scheduler and every worker job then talk tls://.
     """
     kw = _slurm_kwargs(kwargs, kv_budget, env)
+    if security is not None:
+        kw.setdefault("security", security)
+        kw.setdefault("protocol", comm_protocol(security))
     kw["scheduler_options"] = {**scheduler_options(kv_budget), **(kw.get("scheduler_options") or {})}
     with dask.config.set(kv_dask_config()):
         cluster = _cluster_class()(**kw)
