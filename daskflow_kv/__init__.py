@@ -2,7 +2,8 @@
 
 Layers, lowest first (each imports only from those before it; ``tests/test_layout.py``
 checks it): ``errors``/``config`` -> ``state`` (KV descriptors, blocks, catalog) and
-``policy`` (cost model, placement, eviction; pure) -> ``model`` (forward passes over
+``policy`` (cost model, placement, eviction; pure) -> ``store`` (the persistent tier: blocks
+in a directory or an fsspec URL; no Dask) -> ``model`` (forward passes over
 blocks) -> ``engine`` (the operators in one process) and ``plugins`` (scheduler side) ->
 ``runtime`` (the operators on Dask) -> ``flow`` (workflows, compiler, executor) ->
 ``workflows`` (examples) -> ``bench`` -> ``cli``.

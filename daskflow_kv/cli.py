@@ -6,6 +6,8 @@
     daskflow-kv bench --profile quick          # measured: every system side by side
     daskflow-kv plan --model llama-3-8b --hardware a100-ib200   # modeled, cluster scale
     daskflow-kv catalog --scheduler tcp://host:8786 --out kv.parquet
+    daskflow-kv run rag --kv-store /data/kv     # a second run (a new cluster) reads the context from it
+    daskflow-kv store ls|du|gc --kv-store /data/kv [--older-than 7d]
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def cmd_run(args, workflow: str) -> int:
         steps.start(f"[setup] loading {args.model} on the workers")
         budget = {"kv_budget_bytes": args.kv_budget} if args.scheduler and args.kv_budget is not None else {}
         rt = kv_runtime(target, security=getattr(target, "security", None), model=args.model, dtype=args.dtype,
-                        block_size=args.block_size, namespace=args.namespace, **budget)
+                        block_size=args.block_size, namespace=args.namespace, kv_store=args.kv_store, **budget)
         if args.mode != "text":
             _calibrate(rt, steps)
         steps.end()
@@ -278,6 +280,8 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", default=None, help="address of an existing Dask scheduler")
     p.add_argument("--workers", type=int, default=None, help="workers of the embedded local cluster (default: 2)")
     p.add_argument("--kv-budget", default=None, help="per-worker KV byte budget, e.g. 512MiB")
+    p.add_argument("--kv-store", default=None,
+                   help="persistent KV store: a directory or fsspec URL (default: daskflow-kv.store.url)")
     p.add_argument("--json", default=None, help="write per-agent metrics and agreement here")
     p.add_argument("--explain", action="store_true", help="print G_s and the cost model's decisions")
     p.add_argument("--namespace", default=None,
@@ -347,6 +351,7 @@ def _resolve_config(args) -> None:
     else:
         args.workers = v.setting("cluster.workers", args.workers, "--workers", v.integer, minimum=1)
     args.kv_budget = v.setting("kv-budget", args.kv_budget, "--kv-budget", v.optional, v.byte_size, minimum=0)
+    args.kv_store = v.setting("store.url", args.kv_store, "--kv-store", v.optional, v.store_url)
     if args.json is not None:
         args.json = v.writable_file("--json", args.json)
     if args.namespace is not None and not isinstance(args.namespace, str):
@@ -394,6 +399,9 @@ def _parser():
     from .runtime.catalog_export import add_catalog_subcommand
 
     add_catalog_subcommand(sub)
+    from .store.commands import add_store_subcommand
+
+    add_store_subcommand(sub)
     return parser
 
 
@@ -414,7 +422,7 @@ def _main(argv: list[str]) -> int:
         return cmd_run(args, "rag")
     if args.command == "run":
         return cmd_run(args, args.workflow)
-    if args.command == "catalog":
+    if args.command in ("catalog", "store"):
         return args.func(args)
     return cmd_explain(args)
 

@@ -150,3 +150,25 @@ def in_memory(worker):
     memory; reading a spilled key through ``data`` would load it back from disk.
     """
     return getattr(worker.data, "fast", worker.data)
+
+
+def spilled_keys(worker) -> list:
+    """Keys the worker's SpillBuffer holds on disk (its ``slow`` part); [] without spilling.
+
+    Listed under the buffer's lock: a task thread may be spilling while we read.
+    """
+    data = worker.data
+    slow = getattr(data, "slow", None)
+    if slow is None:
+        return []
+    lock = getattr(data, "lock", None)
+    if lock is None:
+        return list(slow.keys())
+    with lock:
+        return list(slow.keys())
+
+
+async def call_scheduler(worker, name: str, /, **kwargs):
+    """An RPC from a worker to a scheduler handler (``add_handlers``), over the worker's own
+    connection pool to its scheduler."""
+    return await getattr(worker.scheduler, name)(**kwargs)

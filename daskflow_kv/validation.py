@@ -289,6 +289,30 @@ def writable_dir(name: str, path) -> Path:
     return p
 
 
+STORE_WRITES = ("all", "materialize-only", "off")  # which new KV blocks are written to the store
+
+
+def store_url(name: str, value) -> str:
+    """A persistent KV store: a directory (created if needed) or a URL fsspec can open
+    (``file://``, ``s3://``, ``gs://``, ``memory://``...). Remote ones are not contacted here."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        _fail(name, "a directory or an fsspec URL such as file:///data/kv or s3://bucket/kv", value)
+    url = str(value).strip()
+    if "://" not in url:
+        writable_dir(name, url)
+        return str(Path(url).expanduser().absolute())
+    scheme, rest = url.split("://", 1)
+    if scheme == "file":
+        writable_dir(name, rest or "/")
+        return url
+    import fsspec
+
+    if scheme not in fsspec.available_protocols():
+        raise InvalidInputError(f"{name} {url!r}: unknown storage protocol {scheme!r} "
+                                f"(fsspec knows file, s3, gs, memory, ...)")
+    return url
+
+
 def scheduler_address(name: str, value) -> tuple[str, str, int]:
     """``(scheme, host, port)`` of ``tcp://host:port``, ``host:port``, ``tls://[::1]:8786``..."""
     must = "a scheduler address such as tcp://host:8786"

@@ -83,3 +83,24 @@ def test_plan_reads_a_config_json_and_prints_modeled(tmp_path, capsys):
     assert "MODELED" in out and "(> model's max positions)" in out
     doc = json.loads((tmp_path / "p.json").read_text())
     assert doc["label"] == "MODELED" and [r["context"] for r in doc["rows"]] == [1024, 131072]
+
+
+def test_store_ttft_harness_quick(tmp_path):
+    """benchmarks/store_ttft.py --quick: cold on one cluster, warm from the store on a new one;
+    its guards (context prefilled once, read back whole, tokens equal) must hold."""
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "store_ttft", Path(__file__).resolve().parents[1] / "benchmarks" / "store_ttft.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["store_ttft"] = mod  # worker processes unpickle nothing from it, but be tidy
+    spec.loader.exec_module(mod)
+    out = tmp_path / "store_ttft.json"
+    assert mod.main(["--quick", "--lengths", "128", "--store-root", str(tmp_path), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    [row] = doc["rows"]
+    assert doc["summary"]["all_guards_ok"] and doc["stored"]["blocks"] == 2  # 128 tokens, 64 per block
+    assert row["warm_store"]["context_from_store"] == 128 and row["warm_store"]["store_bytes"] > 0
+    assert row["cold"]["ttft_s"] > 0 and row["warm_memory"]["ttft_s"] > 0
+    assert list(tmp_path.glob("daskflow-kv-store-bench-*")) == []  # the store is removed afterwards

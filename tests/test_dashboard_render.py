@@ -124,3 +124,21 @@ def test_templates_are_package_data():
 def test_durations_filter(value, shown):
     env = kv_dashboard_render.environment()
     assert env.from_string("{{ t|seconds }}").render(t=value) == shown
+
+
+def test_blocks_show_their_tier_and_the_store_card_its_counters():
+    rows = [_row("kvstate-materialize-t1", block_key="kvblock-a", tier="memory", persisted=True),
+            _row("kvstate-materialize-t1", block_key="kvblock-b", token_start=16, token_end=32, tier="spilled"),
+            _row("kvstate-materialize-t1", block_key="kvblock-c", token_start=32, token_end=48, tier="store",
+                 persisted=True, status="evicted", workers="")]
+    d = collect(_Scheduler(_Plugin(rows)))
+    assert d["block_tiers"] == {"memory": 1, "spilled": 1, "store": 1}
+    [state] = d["states"]
+    assert [b["tier"] for b in state["blocks"]] == ["memory", "spilled", "store"]
+    assert state["block_tiers"] == {"memory": 1, "spilled": 1, "store": 1}
+    html = render_sections(d)
+    states = html["kv-states"] if "kv-states" in html else html["states"]
+    for text in (">memory +store<", ">spilled<", ">store<", ">spilled 1<", ">store 1<"):
+        assert text in states, text
+    cards = html["kv-cards"] if "kv-cards" in html else html["cards"]
+    assert "Persistent store" in cards and 'data-metric="store_loads"' in cards

@@ -138,6 +138,32 @@ def test_plugin_handlers_pseudo_client_and_amm_policy(client):
     assert KVAwareReduceReplicas.__name__ in policies and "ReduceReplicas" not in policies
 
 
+def test_spilled_keys_lists_what_the_spill_buffer_holds_on_disk(client, workers):
+    a, _ = workers
+    x = client.submit(lambda: np.ones(1 << 16), key="internals-spillme", workers=[a], pure=False)
+    wait(x)
+
+    def spill(dask_worker):
+        for _ in range(1000):  # SpillBuffer.evict(): the least recently used key goes to disk
+            if "internals-spillme" in di.spilled_keys(dask_worker) or dask_worker.data.evict() < 0:
+                break
+        return "internals-spillme" in di.spilled_keys(dask_worker), "internals-spillme" in di.in_memory(dask_worker)
+
+    assert client.run(spill, workers=[a])[a] == (True, False)
+    assert float(x.result(timeout=10).sum()) == 1 << 16  # read back from disk
+
+
+def test_call_scheduler_reaches_a_plugin_handler(client, workers):
+    client.run_on_scheduler(lambda dask_scheduler: di.add_handlers(
+        dask_scheduler, {"internals_echo": lambda worker=None, value=None: [worker, value]}))
+
+    async def call(dask_worker):
+        return await di.call_scheduler(dask_worker, "internals_echo", worker=dask_worker.address, value=7)
+
+    got = client.run(call)
+    assert {w: list(v) for w, v in got.items()} == {w: [w, 7] for w in workers}
+
+
 def test_the_distributed_release_is_one_we_pin():
     """pyproject pins distributed; these tests are what the pin rests on."""
     from importlib.metadata import requires

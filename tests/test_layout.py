@@ -24,15 +24,16 @@ ALLOWED = {
     "dask_internals": set(),  # level 0: every non-public Dask use, one place
     "state": {"errors", "config", "validation"},
     "policy": {"errors", "config", "validation"},
+    "store": {"state", "errors", "config", "validation"},  # the persistent tier: tensors and files, no Dask
     "model": {"state", "errors", "config", "validation"},
     "engine": {"model", "state", "errors", "config", "validation"},
     "plugins": {"state", "policy", "errors", "config", "validation", "dask_internals"},
-    "runtime": {"plugins", "model", "state", "policy", "errors", "config", "validation", "dask_internals"},
+    "runtime": {"plugins", "model", "store", "state", "policy", "errors", "config", "validation", "dask_internals"},
     "flow": {"runtime", "model", "state", "policy", "errors", "config", "validation"},
     "workflows": {"flow", "errors", "validation"},
-    "bench": {"flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors", "config", "workflows",
-              "validation", "dask_internals"},
-    "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "state", "policy", "errors",
+    "bench": {"flow", "runtime", "engine", "plugins", "model", "store", "state", "policy", "errors", "config",
+              "workflows", "validation", "dask_internals"},
+    "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "store", "state", "policy", "errors",
             "config", "validation", "dask_internals"},
     "__init__": set(),  # exports by name, imported lazily
 }
@@ -43,6 +44,7 @@ FORBIDDEN_THIRD_PARTY = {
     "state": {"transformers", "dask", "distributed"},
     "model": {"dask", "distributed"},
     "plugins": {"torch", "transformers"},
+    "store": {"transformers", "distributed"},
 }
 
 

@@ -53,6 +53,10 @@ CLI_CASES = [
     # -- every other option of run / demo / explain
     (R + ["--workers", "banana"], None, "argument --workers: invalid int value: 'banana'"),
     (R + ["--kv-budget=-5GiB"], None, "--kv-budget must be a byte size such as 512MiB or 2GB, got '-5GiB'"),
+    (R + ["--kv-store", "nosuchproto://bucket/kv"], None, "--kv-store 'nosuchproto://bucket/kv': unknown storage protocol"),
+    (R + ["--kv-store", "/proc/version/kv"], None, "--kv-store '/proc/version/kv': '/proc/version' is a file"),
+    (R, {"DASK_DASKFLOW_KV__STORE__URL": "nosuchproto://x"}, "setting daskflow-kv.store.url 'nosuchproto://x'"),
+    (["store", "gc", "--kv-store", "/tmp", "--older-than", "soon"], None, "--older-than must be a duration"),
     (R + ["--block-size", "-3"], None, "--block-size must be an integer >= 1"),
     (R + ["--agents", "0"], None, "--agents must be an integer from 1 to 1024, got 0"),
     (R + ["--agents", "5000"], None, "--agents must be an integer from 1 to 1024"),

@@ -30,6 +30,8 @@ logger = logging.getLogger("daskflow_kv.scheduler")
 HOLD = "daskflow-kv://awaiting-admission"  # a worker that never exists: parks held tasks in no-worker
 REPLICA_PREFIX = "kvreplica-"  # a prefix rebuilt on a destination: KV, though not a cataloged block
 OUTPUT_PREFIX = "kvprefill-"  # a prefill's output: the new blocks' tensors, before they are cut into keys
+LOAD_PREFIX = "kvstoreload-"  # blocks read from the persistent store, before they are cut into keys
+OUTPUTS = (OUTPUT_PREFIX, LOAD_PREFIX)
 
 
 @dataclass(slots=True)
@@ -45,15 +47,16 @@ class Held:
 class KVBudget:
     # -- accounting -------------------------------------------------------------------------------
     def _is_kv(self, key) -> bool:
-        return key in self.catalog.blocks or str(key).startswith((REPLICA_PREFIX, OUTPUT_PREFIX))
+        return key in self.catalog.blocks or str(key).startswith((REPLICA_PREFIX, *OUTPUTS))
 
     def _held_bytes(self, ts, ws) -> int:
-        """What ``ts`` adds to ``ws``'s KV. A block (or a batch's branch) cut from a prefill's
-        output shares its tensors: while that output is still in memory there, it adds nothing."""
-        if not self._is_kv(ts.key):
+        """What ``ts`` adds to ``ws``'s KV *memory*. A block (or a batch's branch) cut from a
+        prefill's or a load's output shares its tensors: while that output is still in memory
+        there, it adds nothing. A block the worker spilled to disk adds nothing either."""
+        if not self._is_kv(ts.key) or self.spilled_on(ts.key, ws.address):
             return 0
         for d in ts.dependencies:
-            if str(d.key).startswith(OUTPUT_PREFIX) and ws in (d.who_has or ()):
+            if str(d.key).startswith(OUTPUTS) and ws in (d.who_has or ()):
                 return 0
         return ts.get_nbytes()
 
@@ -76,7 +79,9 @@ class KVBudget:
                 continue
             used += self._held_bytes(ts, ws)
             e = self.catalog.blocks.get(ts.key)
-            if e is not None:  # replicas go by themselves once read; only blocks are evicted
+            # Replicas go by themselves once read; only blocks are evicted, and only those in
+            # memory: evicting a spilled one frees disk, not the memory the budget is about.
+            if e is not None and not self.spilled_on(ts.key, ws.address):
                 usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
                                         self._pinned(ts, now), e.parent, e.start))
         return used, usage

@@ -140,6 +140,8 @@ def collect(scheduler, focus: str | None = None) -> dict:
                 "recomputes": r.get("recomputes", 0),
                 "cached": bool(r.get("cached", False)),
                 "producer": r.get("lineage_state") or "",
+                "tier": r.get("tier") or "",  # memory | spilled | store | "" (see state.catalog)
+                "persisted": bool(r.get("persisted", False)),
             }
             for r in brs
         ]
@@ -160,6 +162,7 @@ def collect(scheduler, focus: str | None = None) -> dict:
             "nbytes": sum(b["nbytes"] for b in blocks),
             "refcount": max((b["refcount"] for b in blocks), default=0),
             "block_status": dict(Counter(b["status"] for b in blocks)),
+            "block_tiers": dict(Counter(b["tier"] for b in blocks if b["tier"])),
         }
     first_holder: dict[str, str] = {}  # block -> oldest state listing it (its producer, when the catalog forgot)
     for s in sorted(states.values(), key=lambda s: s["created"]):
@@ -204,6 +207,7 @@ def collect(scheduler, focus: str | None = None) -> dict:
         states=sorted(states.values(), key=lambda s: s["created"], reverse=True),
         orphan_blocks={"count": len(orphans), "nbytes": sum(r.get("nbytes", 0) for r in orphans)},
         block_status=dict(Counter(r.get("status", "") for r in block_rows.values())),
+        block_tiers=dict(Counter(r.get("tier") or "none" for r in block_rows.values())),
         lineage=lineage_graph(states, events, {b["key"]: {"lineage_state": b["producer"]} for s in states.values()
                                                for b in s["blocks"]}, focus),
         decisions=list(reversed(snap["decisions"]))[:MAX_DECISIONS],

@@ -22,8 +22,9 @@ STATUS_COLORS = {
     "memory": "#16a34a", "pending": "#eab308", "recomputing": "#ca8a04", "released": "#a1a1aa",
     "evicted": "#dc2626", "lost": "#9333ea", "forgotten": "#d4d4d8", "erred": "#000000", "live": "#16a34a",
 }
+TIER_COLORS = {"memory": "#16a34a", "spilled": "#d97706", "store": "#2563eb", "": "#d4d4d8"}  # where the bytes are
 EDGE_COLORS = {"derive": "#94a3b8", "transfer": "#ea580c", "recompute": "#ca8a04", "evict": "#dc2626"}
-ACTION_COLORS = {"transfer": "#ea580c", "recompute": "#ca8a04", "reuse": "#16a34a"}
+ACTION_COLORS = {"transfer": "#ea580c", "recompute": "#ca8a04", "reuse": "#16a34a", "load": "#2563eb"}
 OTHER = "#64748b"  # a status or event the page has no colour for
 LEGEND_OPS = ("materialize", "fork", "resume", "extend", "merge")
 LEGEND_STATUSES = ("memory", "pending", "recomputing", "lost", "evicted", "released")
@@ -155,7 +156,10 @@ def _ruler(s: dict) -> list[dict]:
 
 
 def _block(b: dict, sid: str, names: dict) -> dict:
+    tier = b.get("tier") or ""
     return dict(b, short=_short(b["key"], 10), chip=chip(b["status"], STATUS_COLORS.get(b["status"], OTHER)),
+                tier_chip=chip((tier or "–") + (" +store" if b.get("persisted") and tier != "store" else ""),
+                               TIER_COLORS.get(tier, OTHER)),
                 held_by=", ".join(sorted(names.get(w, w) for w in b["workers"])) or "–",
                 made_by=_short(b["producer"]) if b["producer"] != sid else "this")
 
@@ -169,7 +173,9 @@ def _state(s: dict, newest: bool, names: dict) -> dict:
         else f'{fmt_int(s["tokens_reused"])} / {fmt_int(s["tokens_computed"])}',
         ruler=_ruler(s),
         status_chip=chip(s["status"], STATUS_COLORS["live"] if s["status"] == "live" else STATUS_COLORS["released"]),
-        block_chips=[chip(f"{k} {v}", STATUS_COLORS.get(k, OTHER)) for k, v in sorted(s["block_status"].items())],
+        block_chips=[chip(f"{k} {v}", STATUS_COLORS.get(k, OTHER)) for k, v in sorted(s["block_status"].items())]
+        + [chip(f"{k} {v}", TIER_COLORS[k]) for k, v in sorted((s.get("block_tiers") or {}).items())
+           if k in ("spilled", "store")],  # tiers other than memory
         blocks=[_block(b, sid, names) for b in s["blocks"]],
         opened=newest,  # the newest state's blocks are shown; the toggle opens the others
     )

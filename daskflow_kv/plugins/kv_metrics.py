@@ -14,6 +14,11 @@ page's counters with a ``daskflow_kv_`` prefix:
 ``daskflow_kv_lineage_recomputes_total``  blocks Dask recomputed from lineage (lost, released)
 ``daskflow_kv_evictions_total``        blocks released under the byte budget
 ``daskflow_kv_bytes_evicted_total``    bytes those blocks held
+``daskflow_kv_store_writes_total``     blocks workers wrote to the persistent store
+``daskflow_kv_store_bytes_written_total``  bytes those blocks hold
+``daskflow_kv_store_loads_total``      blocks loaded from the store instead of prefilled
+``daskflow_kv_store_bytes_read_total``  bytes those blocks hold
+``daskflow_kv_store_corrupt_total``    stored objects that failed verification (recomputed)
 ``daskflow_kv_worker_bytes{worker}``   KV bytes each worker holds now
 ``daskflow_kv_worker_budget_bytes``    per-worker KV budget (absent when unbounded)
 ``daskflow_kv_states{status}``         catalogued states by status (live, released)
@@ -55,6 +60,11 @@ COUNTERS = {
     "lineage_recomputes": ("KV blocks Dask computed again from lineage after they left memory", "counter"),
     "evictions": ("KV blocks released under the per-worker byte budget", "counter"),
     "bytes_evicted": ("KV bytes released under the per-worker byte budget", "counter"),
+    "store_writes": ("KV blocks workers wrote to the persistent store", "counter"),
+    "store_bytes_written": ("KV bytes workers wrote to the persistent store", "counter"),
+    "store_loads": ("KV blocks loaded from the persistent store instead of prefilled", "counter"),
+    "store_bytes_read": ("KV bytes loaded from the persistent store", "counter"),
+    "store_corrupt": ("Stored KV objects that failed verification and were recomputed", "counter"),
 }
 
 _current_scheduler: contextvars.ContextVar = contextvars.ContextVar("daskflow_kv_metrics_scheduler", default=None)

@@ -18,6 +18,8 @@ This plugin adds what Dask does not know about KV cache:
   outlives the workflow that made it and the next one reuses it;
 * eviction: per-worker KV byte budget, enforced by dropping the least valuable blocks no
   live state, running task or fresh lookup references (the pseudo-client lets go of them);
+* tiers: which blocks a worker has spilled to disk and which are in the persistent store,
+  from the workers' own reports (``kv_tiers``): the budget counts only blocks in memory;
 * profiles: prefill timings reported by workers, fitted per worker for the cost model, and
   bandwidth per worker pair from Dask's own transfer measurements or a calibration probe;
 * an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
@@ -48,6 +50,7 @@ from daskflow_kv.state.catalog import KVCatalog, rows_to_arrow
 
 from .kv_budget import KVBudget
 from .kv_client_api import KVClientAPI
+from .kv_tiers import REPORT_RPC, KVTiers
 from .tenants import TenantRegistry
 
 logger = logging.getLogger("daskflow_kv.scheduler")
@@ -57,7 +60,7 @@ EVENT_TOPIC = "daskflow-kv"  # lifecycle events, visible through client.get_even
 PREFILL_TOPIC = "daskflow-kv-prefill"  # timings reported by workers (see runtime.tasks)
 PLUGIN_NAME = "daskflow-kv"
 BLOCK_PREFIX = "kvblock-"  # every content-addressed block key starts with it
-KV_TASK_PREFIXES = ("kvprefill-", BLOCK_PREFIX, "kvresult-", "kvreplica-")  # tasks placed by the plan
+KV_TASK_PREFIXES = ("kvprefill-", BLOCK_PREFIX, "kvresult-", "kvreplica-", "kvstoreload-")  # placed by the plan
 
 
 def short_key(key: str) -> str:
@@ -93,7 +96,7 @@ class KVAwareReduceReplicas(ReduceReplicas):
                 sent = yield suggestion
 
 
-class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
+class KVSchedulerPlugin(KVClientAPI, KVBudget, KVTiers, SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True  # registering again (another client, a preload) keeps the running one
     NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
@@ -132,6 +135,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         self._reserved: dict[str, int] = {}  # worker -> KV bytes promised to admitted, running tasks
         self._admit_pending = False  # something freed room: try the parked tasks again
         self._pruned = 0.0  # last time released states were pruned from the catalog
+        self.spilled: dict[str, frozenset] = {}  # worker -> KV block keys on its spill disk (its reports)
         self._pc: PeriodicCallback | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -141,6 +145,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         self.tenants = TenantRegistry(config.get("tenants"))
         di.ensure_client(scheduler, CACHE_CLIENT)
         di.add_handlers(scheduler, self.client_handlers())
+        di.add_handlers(scheduler, {REPORT_RPC: self.handle_worker_report})  # from workers, no session
         di.replace_amm_policy(scheduler, ReduceReplicas, KVAwareReduceReplicas())
         self._pc = PeriodicCallback(self._tick, self.evict_interval * 1000)
         self._pc.start()
@@ -305,6 +310,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         # Runs after Dask's own transitions for the loss. Tasks planned on the dead worker
         # may now run anywhere; those already stuck in no-worker are scheduled again.
         self.samples.pop(worker, None)
+        self.spilled.pop(worker, None)
         self._over_budget.discard(worker)
         self._reserved.pop(worker, None)
         self._admit_pending = True  # parked tasks planned there go elsewhere
@@ -428,16 +434,17 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, SchedulerPlugin):
         """Catalog rows of ``namespace`` (None: every namespace)."""
         self.catalog.prune()
         tasks = self.scheduler.tasks
-        who_has, refcount, cached = {}, {}, set()
+        who_has, refcount, cached, tiers = {}, {}, set(), {}
         for k in self.catalog.blocks:
             ts = tasks.get(k)
+            tiers[k] = self.tier(k, ts)
             if ts is None:
                 continue
             who_has[k] = sorted(ws.address for ws in (ts.who_has or ()))
             refcount[k] = len(self.catalog.live_holders.get(k, ())) + len(ts.waiters or ())
             if any(cs.client_key == CACHE_CLIENT for cs in ts.who_wants or ()):
                 cached.add(k)
-        return self.catalog.rows(who_has, refcount, cached, namespace)
+        return self.catalog.rows(who_has, refcount, cached, namespace, tiers)
 
     def counters_view(self, namespace: str | None = None) -> dict:
         """Counters (cluster-wide), per-worker KV bytes, and ``namespace``'s decisions and events."""

@@ -143,6 +143,8 @@ def close_runtime(runtime, cluster=None) -> None:
     """Close a runtime's client, then ``cluster`` (or the one ``kv_runtime(None)`` started for
     it), dropping the KV blocks first so that the workers leave holding nothing."""
     cluster = cluster if cluster is not None else getattr(runtime.client, "_daskflow_owned_cluster", None)
+    with contextlib.suppress(Exception):  # blocks queued for the persistent store reach it first
+        runtime.flush_store()
     if cluster is not None:
         drop_kv(runtime)
     runtime.client.close()
@@ -175,6 +177,8 @@ def embedded_runtime(
         try:
             yield runtime
         finally:
+            with contextlib.suppress(Exception):
+                runtime.flush_store()
             drop_kv(runtime)
 
 

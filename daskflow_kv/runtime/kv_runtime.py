@@ -12,6 +12,10 @@ plugin turns them into loose worker restrictions and catalog events.
 
 Keys never get a second run spec: a block key the scheduler already knows (cached, being
 computed, or released but still in lineage) is acquired, not resubmitted.
+
+With a persistent store (``kv_store=``, see ``kv_persistence``) a prefix found in no
+worker's memory may be loaded from the store instead of prefilled, and new shared blocks
+are written through in the background.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from ..state.kv_state import KVState, LineageEvent, new_state_id
 from ..model.sampling import GREEDY, SamplingParams
 from . import tasks
 from ..policy.placement import POLICIES, ClusterView, Placement, batch_seconds, plan_placements, read_blocks
+from .kv_persistence import PersistentTier
+from .kv_worker import KVWorkerPlugin
 from .serialization import TorchSerializationPlugin
 
 
@@ -111,7 +117,7 @@ class _Match:
         return {"tokens": self.tokens, "blocks": self.blocks}
 
 
-class KVRuntime(TextCodec):
+class KVRuntime(PersistentTier, TextCodec):
     def __init__(
         self,
         client: Client,
@@ -123,10 +129,16 @@ class KVRuntime(TextCodec):
         kv_budget_bytes: int | str | None = None,
         memory_weight: float | None = None,
         secret: str | None = None,
+        kv_store: str | None = None,
+        kv_store_write: str | None = None,
     ):
         """``namespace``/``secret``: the tenant this runtime acts for (default: dask.config's
         ``daskflow-kv.namespace`` / ``daskflow-kv.secret``). Blocks are found, shared and
-        listed only inside the namespace, under keys nobody without its secret can compute."""
+        listed only inside the namespace, under keys nobody without its secret can compute.
+
+        ``kv_store``: a persistent KV tier, a directory or fsspec URL (``file:///data/kv``,
+        ``s3://bucket/kv``; default ``daskflow-kv.store.url``) that client and workers reach;
+        ``kv_store_write``: all | materialize-only | off (default ``daskflow-kv.store.write``)."""
         from ..model.zoo.loader import load_tokenizer
         from ..model.zoo.names import check_model
         from ..plugins.kv_dashboard import KVDashboardPlugin
@@ -139,12 +151,14 @@ class KVRuntime(TextCodec):
         kv_budget_bytes = validation.optional("kv_budget_bytes", kv_budget_bytes, validation.byte_size, minimum=0)
         memory_weight = validation.optional("memory_weight", memory_weight, validation.number, minimum=0)
         validation.setting("kv-budget", None, "kv_budget_bytes", validation.optional, validation.byte_size, minimum=0)
+        self._init_store(kv_store, kv_store_write)
         self.client = client
         self.spec = tasks.ModelSpec(model, dtype, block_size, config.get("namespace", namespace), device)
         client.register_plugin(TorchSerializationPlugin())
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
         client.register_plugin(KVSchedulerPlugin())
         client.register_plugin(KVDashboardPlugin())  # /kv page, its JSON, KV series in /metrics
+        client.register_plugin(KVWorkerPlugin())  # spilled blocks and store I/O, reported by workers
         self.session = login(client, self.spec.namespace, secret)
         if kv_budget_bytes is not None or memory_weight is not None:  # explicit arguments win over config
             self.configure(kv_budget_bytes=config.get_bytes("kv-budget", kv_budget_bytes), memory_weight=memory_weight)
@@ -197,12 +211,15 @@ class KVRuntime(TextCodec):
                         block_size=self.block_size, client=self.client.id)
         return _Match(ans["tokens"], ans["blocks"], self._hold(b["key"] for b in ans["blocks"]), tokens)
 
-    def _publish(self, make: Callable[[int], tuple], tokens, kept, spans, sid: str, worker: str | None) -> tuple:
+    def _publish(self, make: Callable[[int], tuple], tokens, kept, spans, sid: str, worker: str | None,
+                 store: bool = False, source: str | None = None) -> tuple:
         """The state's blocks: ``kept`` (ref, future) pairs, then one key per new span.
 
         ``make(i)`` gives the (function, *args) of a task producing span i's tensor on
         ``worker``, where its input is. A span whose content address the scheduler already
-        knows is acquired instead of submitted.
+        knows is acquired instead of submitted. ``store``: new blocks are also written to the
+        persistent store (by that task, in the background); ``source="store"``: they were
+        loaded from it.
         """
         refs = [r for r, _ in kept]
         futures = [f for _, f in kept]
@@ -216,9 +233,14 @@ class KVRuntime(TextCodec):
         held = self._hold(known)
         for i, (ref, parent) in enumerate(planned):
             if ref.key not in held:
-                with dask.annotate(kv={"role": "block", "session": self.session.token,
-                                       "meta": self._block_meta(ref, parent, sid)}):
-                    held[ref.key] = self._submit_near(worker, *make(i), key=ref.key)
+                meta = self._block_meta(ref, parent, sid)
+                if source:
+                    meta["source"] = source
+                if store:
+                    meta["persist"] = True
+                task = make(i) + ((self._write_request(ref.key, ref.start, ref.end),) if store else ())
+                with dask.annotate(kv={"role": "block", "session": self.session.token, "meta": meta}):
+                    held[ref.key] = self._submit_near(worker, *task, key=ref.key)
             refs.append(ref)
             futures.append(held[ref.key])
         return refs, futures
@@ -366,10 +388,14 @@ class KVRuntime(TextCodec):
 
     def _materialize(self, tokens, op, parents, worker=None, **detail) -> DistKVState:
         compat.check_positions(0, len(tokens), 0, self.facts.max_positions)
+        sid = new_state_id(op)
         match = self._lookup(tokens)
+        in_memory = match.tokens
+        match = self._from_store(tokens, match, worker, sid)  # a miss in memory may hit the store
         reused = match.tokens
         floor = aligned_floor(reused, self.block_size)
-        sid = new_state_id(op)
+        if reused > in_memory:
+            detail["tokens_from_store"] = reused - in_memory
         target = None  # where the new blocks are made
         if reused < len(tokens):
             view = self.view()
@@ -386,7 +412,10 @@ class KVRuntime(TextCodec):
             make, spans = (lambda i: (tasks.cut_block, tail, reused - floor)), [(floor, reused)]
         else:
             make, spans = None, []
-        refs, futures = self._publish(make, tokens, match.kept(floor), spans, sid, target)
+        writes = self._writes(op)
+        refs, futures = self._publish(make, tokens, match.kept(floor), spans, sid, target, store=writes)
+        if writes:  # a shared state is stored whole, reused blocks too: a gap would cut it short
+            self._write_reused(match, floor)
         return self._state(sid, refs, futures, op, parents, target,
                            tokens_reused=reused, tokens_computed=len(tokens) - reused, **detail)
 
@@ -499,7 +528,8 @@ class KVRuntime(TextCodec):
             fed = prompt + res.generated[:-1]  # the last sampled token was never fed
             floor = aligned_floor(p.reused, self.block_size)
             refs, futures = self._publish(lambda j, out=out: (tasks.take_block, out, j), fed, match.kept(floor),
-                                          split_spans(floor, len(fed), self.block_size), sid, res.worker)
+                                          split_spans(floor, len(fed), self.block_size), sid, res.worker,
+                                          store=self._writes("resume"))
             cont = self._state(sid, refs, futures, "resume", (state,), res.worker, placement=p.action,
                                tokens_reused=p.reused, tokens_computed=len(prompt) - p.reused)
             # The prefix rebuilt on a "recompute" destination is charged to its first branch.
@@ -562,7 +592,8 @@ class KVRuntime(TextCodec):
         return rows_to_arrow(self._rpc("kv_catalog"))
 
     def explain(self) -> str:
-        return "\n".join(explain(d) for d in self.decisions)
+        lines = [explain(d) for d in self.decisions]
+        return "\n".join(lines + ([self.explain_store()] if self.store_decisions else []))
 
     def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
         wait([f for s in states for f in s.futures], timeout=timeout)
@@ -572,7 +603,10 @@ class KVRuntime(TextCodec):
         ``daskflow-kv.calibration``)."""
         from .calibration import calibrate
 
-        return calibrate(self, probe_bytes, probe_tokens)
+        out = calibrate(self, probe_bytes, probe_tokens)
+        if self.store is not None:
+            out["store"] = self.calibrate_store()
+        return out
 
 
 def _task_key(kind: str, ident) -> str:

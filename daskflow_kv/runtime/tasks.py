@@ -6,6 +6,9 @@ on the same worker, sharing the tensor (no copy). Once every block has its own k
 client drops the ``PrefillOutput`` future and Dask frees it; the blocks stay, each kept
 alive by the futures of the states that list it (and by the scheduler plugin's cache).
 
+A block task may also carry a ``store_io.WriteRequest``: the block is then handed to the
+worker's background store writer as it is published (write-through, never waited for).
+
 The model is loaded once per worker process (``get_runner``), and every prefill reports
 its timing to the scheduler plugin, which fits the prefill profile the cost model uses.
 """
@@ -25,6 +28,7 @@ from .. import config
 from ..model.runner import ModelRunner
 from ..model.sampling import GREEDY, SamplingParams
 from .serialization import register_torch_serialization, sizeof_torch_tensor
+from .store_io import WriteRequest, persist
 
 register_torch_serialization()  # workers unpickle this module before any block arrives
 
@@ -262,17 +266,18 @@ def take_branch(output: BatchPrefillOutput, index: int) -> PrefillOutput:
     return output.outputs[index]
 
 
-def take_block(output: PrefillOutput, index: int) -> torch.Tensor:
-    return output.blocks[index]
+def take_block(output: PrefillOutput, index: int, store: WriteRequest | None = None) -> torch.Tensor:
+    """Block ``index`` of a prefill's (or a store load's) output; queued for the store if asked."""
+    return persist(output.blocks[index], store)
 
 
 def take_result(output: PrefillOutput) -> GenerationResult:
     return GenerationResult(list(output.generated), dict(output.metrics), output.worker, output.logits)
 
 
-def cut_block(block: torch.Tensor, tokens: int) -> torch.Tensor:
+def cut_block(block: torch.Tensor, tokens: int, store: WriteRequest | None = None) -> torch.Tensor:
     """The first ``tokens`` tokens of a block (a cached prefix that ends mid-block)."""
-    return block[:, :, :, :tokens].contiguous()
+    return persist(block[:, :, :, :tokens].contiguous(), store)
 
 
 def text_generate(

@@ -10,6 +10,12 @@ Block lifecycle (``BlockEntry.status``)::
     pending -> memory -> released | evicted | lost -> recomputing -> memory -> ...
                                  \\-> forgotten (Dask dropped the key and its lineage)
 
+Block tier (``tier`` in rows, where its bytes are now): ``memory`` (in a worker's memory),
+``spilled`` (Dask spilled it to the worker's disk), ``store`` (only in the persistent store),
+or empty (nowhere: released, lost, or being computed). ``persisted``: a copy is in the
+persistent store. A persisted block stays listed after Dask forgets it (tier ``store``,
+at most ``MAX_STORE_ONLY`` of them): eviction keeps the persisted copy.
+
 ``lost``: it left memory while still wanted (its worker died); Dask recomputes it.
 ``evicted``: the plugin released it under the byte budget. ``recomputing``: Dask is
 computing it again from lineage. The prefix index holds every block Dask still knows
@@ -26,6 +32,8 @@ from .blocks import BlockRef
 from .prefix_index import PrefixIndex, PrefixMatch
 
 BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
+TIERS = ("memory", "spilled", "store", "")
+MAX_STORE_ONLY = 4096  # persisted blocks Dask forgot that the catalog keeps listing (newest used)
 
 
 @dataclass(slots=True)
@@ -45,6 +53,7 @@ class BlockEntry:
     status: str = "pending"  # see BLOCK_STATUSES
     computed: bool = False  # it has been in memory at least once
     recomputes: int = 0  # times it was computed again after leaving memory
+    persisted: bool = False  # in the persistent store: loaded from it, written, or queued for writing
 
 
 @dataclass(slots=True)
@@ -75,6 +84,11 @@ class KVCatalog:
             "lineage_recomputes": 0,  # blocks Dask computed again after they left memory
             "evictions": 0,
             "bytes_evicted": 0,
+            "store_writes": 0,  # blocks workers wrote to the persistent store
+            "store_bytes_written": 0,
+            "store_loads": 0,  # blocks loaded from the store instead of prefilled
+            "store_bytes_read": 0,
+            "store_corrupt": 0,  # stored objects that failed verification (recomputed instead)
         }
 
     # -- blocks ---------------------------------------------------------------------------
@@ -100,6 +114,10 @@ class KVCatalog:
             )
         elif entry.status == "forgotten":
             entry.status = "pending"
+        if meta.get("source") == "store":  # loaded, not recomputed: its next memory entry is no recompute
+            entry.persisted, entry.computed = True, False
+        elif meta.get("persist"):  # its task queues the write; the writer holds the tensor till done
+            entry.persisted = True
         ref = BlockRef(key, meta["start"], tuple(meta["tokens"]), meta["nbytes"])
         self.index.add(ref, meta.get("parent"), meta.get("root", meta["fingerprint"]))
         return entry
@@ -130,7 +148,7 @@ class KVCatalog:
             return
         if entry.status != "evicted":
             entry.status = "forgotten"
-        if not self.live_holders.get(key):
+        if not self.live_holders.get(key) and not entry.persisted:
             del self.blocks[key]
 
     def touch(self, key: str, now: float | None = None) -> None:
@@ -176,11 +194,30 @@ class KVCatalog:
                 if not holders:
                     del self.live_holders[key]
                     entry = self.blocks.get(key)
-                    if entry is not None and entry.status in ("forgotten", "evicted") and key not in self.index:
+                    if (entry is not None and entry.status in ("forgotten", "evicted") and key not in self.index
+                            and not entry.persisted):
                         del self.blocks[key]
 
+    def mark_persisted(self, key: str, persisted: bool = True) -> bool:
+        entry = self.blocks.get(key)
+        if entry is not None:
+            entry.persisted = persisted
+        return entry is not None
+
+    def store_only(self) -> list[str]:
+        """Blocks Dask forgot that the catalog lists only because the store has them."""
+        return [k for k, e in self.blocks.items()
+                if e.persisted and e.status in ("forgotten", "evicted") and k not in self.index
+                and not self.live_holders.get(k)]
+
     def prune(self) -> int:
-        """Drop released states whose blocks are all gone (history nobody can query). -> count."""
+        """Drop released states whose blocks are all gone (history nobody can query), and the
+        least recently used store-only blocks past ``MAX_STORE_ONLY``. -> states dropped."""
+        extra = self.store_only()
+        if len(extra) > MAX_STORE_ONLY:
+            extra.sort(key=lambda k: self.blocks[k].last_access)
+            for k in extra[: len(extra) - MAX_STORE_ONLY]:
+                del self.blocks[k]
         gone = [sid for sid, st in self.states.items()
                 if st.status == "released" and not any(k in self.blocks for k in st.block_keys)]
         for sid in gone:
@@ -192,7 +229,7 @@ class KVCatalog:
 
     # -- export ---------------------------------------------------------------------------
     def rows(self, who_has: dict[str, list[str]], refcount: dict[str, int], cached: set[str],
-             namespace: str | None = None) -> list[dict]:
+             namespace: str | None = None, tiers: dict[str, str] | None = None) -> list[dict]:
         """One row per (state, block), plus one per block no state lists; only ``namespace``'s
         (None: all of them)."""
         out = []
@@ -202,13 +239,13 @@ class KVCatalog:
                 continue
             for key in st.block_keys:
                 listed.add(key)
-                out.append(self._row(st, key, who_has, refcount, cached))
+                out.append(self._row(st, key, who_has, refcount, cached, tiers or {}))
         for key in self.blocks.keys() - listed:
             if namespace is None or self.blocks[key].namespace == namespace:
-                out.append(self._row(None, key, who_has, refcount, cached))
+                out.append(self._row(None, key, who_has, refcount, cached, tiers or {}))
         return out
 
-    def _row(self, st: StateEntry | None, key, who_has, refcount, cached) -> dict:
+    def _row(self, st: StateEntry | None, key, who_has, refcount, cached, tiers) -> dict:
         b = self.blocks.get(key)
         return {
             "namespace": (st.namespace if st is not None else "") if b is None else b.namespace,
@@ -230,6 +267,8 @@ class KVCatalog:
             "status": "forgotten" if b is None else b.status,
             "recomputes": 0 if b is None else b.recomputes,
             "lineage_state": "" if b is None else b.state_id,
+            "tier": tiers.get(key, "store" if b is not None and b.persisted else ""),
+            "persisted": False if b is None else b.persisted,
         }
 
 
@@ -253,6 +292,8 @@ ARROW_COLUMNS = (
     ("status", "string"),
     ("recomputes", "int64"),
     ("lineage_state", "string"),
+    ("tier", "string"),
+    ("persisted", "bool_"),
 )
 
 
