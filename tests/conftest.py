@@ -1,5 +1,6 @@
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -92,3 +93,13 @@ def workers(client):
     ws = sorted(client.scheduler_info(n_workers=-1)["workers"])
     assert len(ws) == 2
     return ws
+
+
+def wait_until(pred, timeout: float = 15.0, interval: float = 0.05) -> bool:
+    """Poll ``pred`` until it holds or ``timeout`` passes; its last answer."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -9,17 +9,11 @@ import time
 import numpy as np
 from distributed import Client, Event, get_worker, wait
 
+from conftest import wait_until
+
 from daskflow_kv import dask_internals as di
 from daskflow_kv.plugins.kv_scheduler import CACHE_CLIENT, KVAwareReduceReplicas
 
-
-def _until(pred, timeout=15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def _state(client, key):
@@ -51,7 +45,7 @@ def test_pin_holds_a_task_to_its_worker_and_loosen_lets_it_go(client, workers):
     first = client.submit(lambda: Event("internals-gate").wait(30), key="internals-gate-task", workers=[a],
                           pure=False)
     second = client.submit(lambda _: _where(), first, key="internals-pinned", pure=False)
-    _until(lambda: _state(client, "internals-pinned") == "waiting")
+    wait_until(lambda: _state(client, "internals-pinned") == "waiting")
 
     def pin(dask_scheduler, target):
         ts = dask_scheduler.tasks["internals-pinned"]
@@ -64,7 +58,7 @@ def test_pin_holds_a_task_to_its_worker_and_loosen_lets_it_go(client, workers):
 
     # Pinned to a worker that does not exist: stuck in no-worker until loosened and rescheduled.
     third = client.submit(_where, key="internals-stranded", workers=["tcp://127.0.0.1:9"], pure=False)
-    assert _until(lambda: _state(client, "internals-stranded") == "no-worker")
+    assert wait_until(lambda: _state(client, "internals-stranded") == "no-worker")
     assert client.run_on_scheduler(
         lambda dask_scheduler: ("internals-stranded" in {str(ts.key) for ts in di.unrunnable(dask_scheduler)},
                                 di.has_running_worker(dask_scheduler))) == (True, True)
@@ -84,7 +78,7 @@ def test_recompute_brings_a_released_key_back(client):
     y = client.submit(lambda v: int(v.sum()), x, key="internals-y", pure=False)
     assert y.result(timeout=10) == 45
     del x
-    assert _until(lambda: _state(client, "internals-x") == "released")
+    assert wait_until(lambda: _state(client, "internals-x") == "released")
 
     def bring_back(dask_scheduler, client_id):
         di.want(dask_scheduler, ["internals-x"], client_id)
@@ -101,9 +95,9 @@ def test_drop_replica_removes_one_copy(client, workers):
     wait(x)
     client.replicate([x], n=2)
     who = lambda: set(client.who_has([x])[x.key])  # noqa: E731
-    assert _until(lambda: who() == {a, b})
+    assert wait_until(lambda: who() == {a, b})
     client.run_on_scheduler(lambda dask_scheduler: di.drop_replica(dask_scheduler, b, [x.key], "test-drop"))
-    assert _until(lambda: who() == {a})
+    assert wait_until(lambda: who() == {a})
 
 
 def test_transfer_records_and_bandwidth_orientation(client, workers):
@@ -121,7 +115,7 @@ def test_transfer_records_and_bandwidth_orientation(client, workers):
     assert held[a] == held[b] == 16 << 20
     # Worker metrics reach the scheduler with heartbeats.
     links = lambda: client.run_on_scheduler(lambda dask_scheduler: di.link_bandwidths(dask_scheduler))  # noqa: E731
-    assert _until(lambda: (a, b) in links(), timeout=30)
+    assert wait_until(lambda: (a, b) in links(), timeout=30)
     raw = client.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.bandwidth_workers))
     assert (b, a) in raw  # the receiver first
 

@@ -7,7 +7,7 @@ per-branch path (``batch=False``) and text mode, in fp32 and bf16.
 import time
 
 import pytest
-from conftest import CONTEXT, SUFFIXES, make_engine
+from conftest import CONTEXT, SUFFIXES, make_engine, wait_until
 
 from daskflow_kv.runtime import tasks
 from daskflow_kv.runtime.kv_runtime import KVRuntime
@@ -30,14 +30,6 @@ def _rt(client, dtype):
 def _events(client, topic, since):
     return [m for t, m in client.get_events(topic) if t >= since and isinstance(m, dict)]
 
-
-def _wait_for(pred, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def _tasks_run(client, since, op="resume"):
@@ -66,13 +58,13 @@ def test_pinned_branches_run_as_one_batch(client, workers, dtype, sampling):
                            batch=False)
 
     # Exactly one prefill_batch task for the 4 branches; the unbatched call ran 4 plain prefills.
-    assert _wait_for(lambda: len(_tasks_run(client, t0)) >= 5)
+    assert wait_until(lambda: len(_tasks_run(client, t0)) >= 5)
     batched_keys = [k for k in _tasks_run(client, t0) if k.startswith("kvprefill-resume-batch-")]
     plain_keys = [k for k in _tasks_run(client, t1) if not k.startswith("kvprefill-resume-batch-")]
     assert len(batched_keys) == 1 and len(plain_keys) == 4, (batched_keys, plain_keys)
     assert not [k for k in _tasks_run(client, t0) if k in {f"kvprefill-resume-{g.state.state_id}" for g in gens}]
     # One timing event for the batch, counting every branch's suffix.
-    assert _wait_for(lambda: any(m.get("branches") == 4 for m in _events(client, tasks.PREFILL_TOPIC, t0)))
+    assert wait_until(lambda: any(m.get("branches") == 4 for m in _events(client, tasks.PREFILL_TOPIC, t0)))
     [ev] = [m for m in _events(client, tasks.PREFILL_TOPIC, t0) if m.get("branches")]
     assert ev["new_tokens"] == sum(len(s) for s in sufs) and ev["worker"] == a
     assert list(ev["state_ids"]) == [g.state.state_id for g in gens]
@@ -106,7 +98,7 @@ def test_batch_outputs_are_released_and_mixed_placements(client, workers):
     gens = rt.resume_many([(k, rt.encode(" Go.")) for k in kids[:2]], max_new_tokens=2, policy="pin")
     gens += rt.resume_many([(kids[2], rt.encode(" Go."))], max_new_tokens=2, policy="transfer", workers=[b])
     assert [g.worker for g in gens] == [a, a, b]
-    assert _wait_for(lambda: len(_tasks_run(client, t0)) >= 2)
+    assert wait_until(lambda: len(_tasks_run(client, t0)) >= 2)
     keys = _tasks_run(client, t0)
     assert sum(k.startswith("kvprefill-resume-batch-") for k in keys) == 1
     assert any(k.startswith(f"kvprefill-resume-{gens[2].state.state_id}-") for k in keys)  # + a random tail
@@ -116,7 +108,7 @@ def test_batch_outputs_are_released_and_mixed_placements(client, workers):
         return sorted(k for k, ts in dask_scheduler.tasks.items()
                       if str(k).startswith(("kvprefill-", "kvresult-", "kvreplica-")) and ts.state == "memory")
 
-    assert _wait_for(lambda: not client.run_on_scheduler(intermediates)), client.run_on_scheduler(intermediates)
+    assert wait_until(lambda: not client.run_on_scheduler(intermediates)), client.run_on_scheduler(intermediates)
 
 
 def test_sizeof_batch_output():

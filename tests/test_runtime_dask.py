@@ -8,7 +8,7 @@ import logging
 import time
 
 import pytest
-from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine
+from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine, wait_until
 from distributed import Client
 
 from daskflow_kv.policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, decide
@@ -63,14 +63,6 @@ def _clear_incoming(client):
 def _events(client, topic=EVENTS, since=0.0) -> list[dict]:
     return [msg for t, msg in client.get_events(topic) if t >= since and isinstance(msg, dict)]
 
-
-def _wait_for(pred, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 # -- the cluster itself ----------------------------------------------------------------------
@@ -211,7 +203,7 @@ def test_second_workflow_shares_block_keys_and_prefills_nothing(cluster, client,
     first = rt.materialize(ctx)
     rt.wait([first])
     g1 = rt.resume(first, [], max_new_tokens=NEW)
-    assert _wait_for(lambda: any(m.get("state_id") == first.state_id for m in _events(client, PREFILL_TOPIC)))
+    assert wait_until(lambda: any(m.get("state_id") == first.state_id for m in _events(client, PREFILL_TOPIC)))
     with Client(cluster, set_as_default=False) as c2:
         rt2 = KVRuntime(c2, "tiny-llama", block_size=16)
         second = rt2.materialize(ctx)
@@ -238,7 +230,7 @@ def test_second_workflow_shares_block_keys_and_prefills_nothing(cluster, client,
         g = rt2.resume(second, rt2.encode(SUFFIXES[2]), max_new_tokens=NEW)
         assert g.tokens == engine.generate_text(ctx + rt2.encode(SUFFIXES[2]), NEW).tokens
         prefills = _events(client, PREFILL_TOPIC)
-        assert _wait_for(lambda: any(m.get("state_id") == longer.state_id for m in _events(client, PREFILL_TOPIC)))
+        assert wait_until(lambda: any(m.get("state_id") == longer.state_id for m in _events(client, PREFILL_TOPIC)))
         prefills = _events(client, PREFILL_TOPIC)
         assert not [m for m in prefills if m.get("state_id") == second.state_id]  # no prefill at all
         [p3] = [m for m in prefills if m.get("state_id") == longer.state_id]
@@ -299,7 +291,7 @@ def test_amm_keeps_kv_replicas_but_trims_others(client, rt, workers):
     client.replicate(plain, n=2)
     assert len(client.who_has(plain)[plain.key]) == 2
     client.amm.run_once()
-    assert _wait_for(lambda: len(client.who_has(plain)[plain.key]) == 1)  # ordinary keys: trimmed
+    assert wait_until(lambda: len(client.who_has(plain)[plain.key]) == 1)  # ordinary keys: trimmed
     time.sleep(0.3)
     assert all(set(ws) == {a, b} for ws in root.who_has().values())  # KV replicas stay
 
@@ -379,7 +371,7 @@ def test_prefill_outputs_and_replicas_are_released(client, rt, workers):
         return sorted(k for k, ts in dask_scheduler.tasks.items()
                       if str(k).startswith(("kvprefill-", "kvresult-", "kvreplica-")) and ts.state == "memory")
 
-    assert _wait_for(lambda: not client.run_on_scheduler(intermediates)), client.run_on_scheduler(intermediates)
+    assert wait_until(lambda: not client.run_on_scheduler(intermediates)), client.run_on_scheduler(intermediates)
 
 
 def test_sizeof_reports_tensor_bytes():

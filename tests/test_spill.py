@@ -3,12 +3,11 @@ the working set: KV blocks spill, come back bit-exact, show as "spilled" in the 
 and the KV budget counts only the blocks still in memory."""
 
 import logging
-import time
 
 import dask
 import pytest
 import torch
-from conftest import CONTEXT, SUFFIXES, make_engine
+from conftest import CONTEXT, SUFFIXES, make_engine, wait_until
 from distributed import Client
 
 from daskflow_kv import dask_internals as di
@@ -31,14 +30,6 @@ def spilling():
         yield client
 
 
-def _until(pred, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
-
 
 def _kv_memory(dask_worker):
     """(KV bytes in memory, KV bytes spilled) as the worker itself sees them."""
@@ -59,16 +50,16 @@ def test_blocks_spill_come_back_exact_and_the_budget_counts_memory_only(spilling
     working_set = sum(s.nbytes for s in states)
     assert working_set > MEMORY_LIMIT  # the blocks cannot all stay in memory
 
-    assert _until(lambda: client.run(_kv_memory)[worker][1] > 0)  # some KV blocks went to disk
+    assert wait_until(lambda: client.run(_kv_memory)[worker][1] > 0)  # some KV blocks went to disk
     rows = lambda: rt.catalog().to_pylist()  # noqa: E731
-    assert _until(lambda: {"spilled", "memory"} <= {r["tier"] for r in rows()}), {r["tier"] for r in rows()}
+    assert wait_until(lambda: {"spilled", "memory"} <= {r["tier"] for r in rows()}), {r["tier"] for r in rows()}
 
     # The budget counts what is in memory, not what Dask moved to disk.
     def counted_equals_memory():
         in_memory, spilled = client.run(_kv_memory)[worker]
         return rt.counters()["kv_bytes"][worker] == in_memory and spilled > 0
 
-    assert _until(counted_equals_memory)
+    assert wait_until(counted_equals_memory)
     assert rt.counters()["kv_bytes"][worker] < working_set
 
     # Spilled blocks come back bit-exact (read from the spill file), and resume from them.

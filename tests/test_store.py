@@ -23,7 +23,7 @@ from daskflow_kv.store import maintenance as mt
 from daskflow_kv.store.backends import FsspecBackend, LocalDirBackend, open_backend
 from daskflow_kv.store.codec import CorruptBlockError, checksum, decode, encode, read_manifest
 from daskflow_kv.store.kv_store import KVStore, open_store
-from daskflow_kv.store.manifest import BlockManifest, check_key
+from daskflow_kv.store.manifest import check_key
 
 SHAPE = (2, 2, 3, 16, 8)  # layers, K/V, kv heads, tokens, head dim
 TOKENS = list(range(1000, 1016))  # what must never appear in a stored object's manifest

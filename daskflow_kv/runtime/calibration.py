@@ -17,7 +17,7 @@ import time
 
 from distributed import wait
 
-from .. import config, validation
+from .. import validation
 from ..dask_internals import incoming_transfers
 from ..policy.cost_model import LinkProfile, calibration_lengths, fit_link
 from . import tasks

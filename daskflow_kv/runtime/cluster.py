@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import sys
 from collections.abc import Iterator
 
 import dask
