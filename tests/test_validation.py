@@ -93,8 +93,9 @@ CLI_CASES = [
     # -- bench, plan, catalog
     (["bench", "--workers", "0"], None, "--workers must be an integer >= 1"),
     (["bench", "--reps", "0"], None, "--reps must be an integer >= 1"),
-    (["bench", "--experiments", "1,7"], None, "--experiments must be a comma list of 1-5, got '7'"),
-    (["bench", "--experiments", "x"], None, "--experiments must be a comma list of 1-5, got 'x'"),
+    (["bench", "--experiments", "1,8"], None, "--experiments must be a comma list of 1-7, got '8'"),
+    (["bench", "--experiments", "x"], None, "--experiments must be a comma list of 1-7, got 'x'"),
+    (["bench", "--exp7-rates", "0"], None, "--exp7-rates must be a number > 0"),
     (["bench", "--systems", "text,nope"], None, "--systems must be one of text, hf, local, dkv"),
     (["bench", "--contexts", "0"], None, "--contexts must be an integer >= 1"),
     (["bench", "--ks", "0"], None, "--ks must be an integer from 1 to 1024"),

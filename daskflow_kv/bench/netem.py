@@ -9,9 +9,10 @@ Layout (all made and removed here, nothing in the host's own namespace changes):
 The parent process creates the namespaces and runs ``python -m daskflow_kv.bench.netem child``
 inside namespace B (``ip netns exec``). The child starts a scheduler with the KV plugin
 (``runtime.cluster.local_cluster(n_workers=0)``), starts worker A with ``ip netns exec A dask
-worker`` and worker B locally, and for each rate: sets the rate, recalibrates the runtime
-(so the cost model sees the throttled link), then runs ``experiments.transfer_vs_recompute_point``
-A -> B for each context length. Needs root, ``ip`` and ``tc``; ``netns_status`` says why not.
+worker`` and worker B locally, calibrates prefill once (up to the longest context), and for
+each (rate, contexts) job: sets the rate, re-measures both links (so the cost model sees the
+throttled link) and runs ``experiments.transfer_vs_recompute_point`` A -> B for each of the
+job's contexts. Needs root, ``ip`` and ``tc``; ``netns_status`` says why not.
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ def set_rate(ns: str, dev: str, mbit: float | None) -> None:
 
 
 # -- parent side ------------------------------------------------------------------------------------
-def run_throttled(model: str, rates_mbit: list[float | None], contexts: list[int], dtype: str = "float32",
-                  timeout: float = 1800, runtime_decision: bool = True, memory_limit: str = "8GiB") -> dict:
-    """Run the throttled exp 3 in fresh namespaces; {"rows": [...]} or {"error": why}."""
+def run_throttled(model: str, jobs: list[tuple[float | None, list[int]]], dtype: str = "float32",
+                  timeout: float = 3600, runtime_decision: bool = True, memory_limit: str = "8GiB") -> dict:
+    """Run the throttled exp 3 in fresh namespaces: for each (rate in Mbit/s or None, contexts)
+    job, in order. {"rows": [...]} or {"error": why}."""
     ok, why = netns_status()
     if not ok:
         return {"error": why, "rows": []}
@@ -121,8 +123,7 @@ def run_throttled(model: str, rates_mbit: list[float | None], contexts: list[int
                "--ns-a", pair.ns_a, "--ns-b", pair.ns_b, "--dev-a", pair.dev_a, "--dev-b", pair.dev_b,
                "--ip-a", pair.ip_a, "--ip-b", pair.ip_b, "--model", model, "--dtype", dtype,
                "--memory-limit", memory_limit, "--out", str(out),
-               "--rates", *[("none" if r is None else str(r)) for r in rates_mbit],
-               "--contexts", *map(str, contexts)]
+               "--jobs", *[f"{'none' if r is None else r}:{','.join(map(str, cs))}" for r, cs in jobs]]
         if not runtime_decision:
             cmd.append("--no-runtime-decision")
         proc = subprocess.Popen(cmd, start_new_session=True)
@@ -142,6 +143,25 @@ def run_throttled(model: str, rates_mbit: list[float | None], contexts: list[int
 
 
 # -- child side (inside namespace B) ----------------------------------------------------------------
+def _job(text: str) -> tuple[float | None, list[int]]:
+    rate, _, contexts = text.partition(":")
+    return (None if rate == "none" else float(rate)), [int(c) for c in contexts.split(",") if c]
+
+
+def _measure_links(rt, workers: list[str], probe: int) -> dict[str, float]:
+    """Both directions' latency and bandwidth, recorded with the plugin as calibration does
+    (the prefill profiles are left as they are: the link changed, the workers did not)."""
+    from ..runtime.calibration import measure_link
+
+    out = {}
+    for src, dst in ((workers[0], workers[1]), (workers[1], workers[0])):
+        link = measure_link(rt.client, src, dst, probe, rt.spec.device)
+        rt._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=link.bandwidth, latency=link.latency)
+        out[f"{src}->{dst}"] = link.bandwidth
+    return out
+
+
+
 def _start_worker(scheduler: str, host: str, name: str, memory_limit: str, ns: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "1", "--nworkers", "1",
            "--memory-limit", memory_limit, "--preload", "daskflow_kv.runtime.serialization", "--host", host,
@@ -178,26 +198,33 @@ def child(args) -> int:
             dst = next(w for w in ws if args.ip_b in w)
             rt = KVRuntime(client, args.model, dtype=args.dtype)
             S.shorten_lease(client)
-            for rate in args.rates:
-                mbit = None if rate == "none" else float(rate)
+            jobs = [_job(j) for j in args.jobs]
+            longest = max(n for _, cs in jobs for n in cs)
+            t0 = time.perf_counter()
+            # prefill speed does not depend on the link: measured once, over the lengths predicted
+            rt.calibrate(probe_bytes=8 << 20, probe_tokens=min(longest, rt.facts.max_positions - 16))
+            log(f"  netem: calibrated prefill up to {longest} tokens in {time.perf_counter() - t0:.1f}s")
+            for mbit, contexts in jobs:
                 set_rate(args.ns_a, args.dev_a, mbit)
                 set_rate(args.ns_b, args.dev_b, mbit)
                 probe = 32 << 20 if mbit is None else int(min(32 << 20, max(1 << 20, mbit * 1e6 / 8 * 1.0)))
                 t0 = time.perf_counter()
-                cal = rt.calibrate(probe_bytes=probe)
-                log(f"  netem {rate} Mbit/s: calibrated in {time.perf_counter() - t0:.1f}s "
-                    f"({', '.join(f'{v / 1e6:.1f} MB/s' for v in cal['bandwidth'].values())})")
-                for n in args.contexts:
+                bw = _measure_links(rt, [src, dst], probe)
+                label = "none" if mbit is None else f"{mbit:g}"
+                log(f"  netem {label} Mbit/s: links measured in {time.perf_counter() - t0:.1f}s "
+                    f"({', '.join(f'{v / 1e6:.1f} MB/s' for v in bw.values())})")
+                for n in contexts:
                     n = min(n, rt.facts.max_positions - 16)
                     row = E.transfer_vs_recompute_point(rt, src, dst, n, seed=n + int(mbit or 0),
                                                         runtime_decision=args.runtime_decision,
-                                                        label=f"netem {rate} Mbit/s",
-                                                        probe_bandwidth=cal["bandwidth"].get(f"{src}->{dst}"))
+                                                        label=f"netem {label} Mbit/s",
+                                                        probe_bandwidth=bw.get(f"{src}->{dst}"))
                     row["rate_mbit"] = mbit
                     rows.append(row)
                     log(f"    {n} tok {row['kv_bytes'] / 2**20:.1f} MiB: transfer {row['transfer_s']:.3f}s "
                         f"({row['transfer_gbps'] * 8000:.0f} Mbit/s) recompute {row['recompute_s']:.3f}s; "
-                        f"model {row['model_action']} (probe bw: {row.get('probe_model_action')}) runtime {row.get('runtime_action')} faster {row['faster']}")
+                        f"model {row['model_action']} (probe bw: {row.get('probe_model_action')}) "
+                        f"runtime {row.get('runtime_action')} faster {row['faster']}")
                     Path(args.out).write_text(json.dumps(doc, default=str))
     except Exception as e:  # noqa: BLE001 -- report what was measured, with the reason it stopped
         doc["error"] = f"{type(e).__name__}: {e}"
@@ -224,8 +251,7 @@ def main(argv=None) -> int:
     c.add_argument("--model", default="tiny-llama")
     c.add_argument("--dtype", default="float32")
     c.add_argument("--memory-limit", default="8GiB")
-    c.add_argument("--rates", nargs="+", default=["none"])
-    c.add_argument("--contexts", nargs="+", type=int, default=[256])
+    c.add_argument("--jobs", nargs="+", default=["none:256"], help="RATE:CTX,CTX... (RATE in Mbit/s or none)")
     c.add_argument("--no-runtime-decision", dest="runtime_decision", action="store_false")
     args = ap.parse_args(argv)
     return child(args)

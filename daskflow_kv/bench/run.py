@@ -1,8 +1,13 @@
 """``daskflow-kv bench``: every system, every experiment, one invocation, one cluster.
 
-    daskflow-kv bench --quick                 # tiny-llama, a few minutes on 2 cores (CI smoke)
-    daskflow-kv bench --profile full          # SmolLM2-135M, all five experiments
+    daskflow-kv bench --quick                        # tiny-llama, every experiment, a few minutes
+    daskflow-kv bench --profile full --warm --reps 3 # the published run: SmolLM2-135M, cold and warm
     daskflow-kv bench --profile full --experiments 3 --netem-rates 1000 100   # one experiment
+
+Experiments: 1 TTFT vs context, 2 wall time vs agents k (4 memory and 5 overhead come from
+2's runs), 3 transfer vs recompute (loopback, then real tc rate limits incl. near-tie rates),
+6 multi-round workflows, 7 a stream of workflows at several arrival rates. ``--warm`` runs
+exp 1 and 2 again with the shared context left cached by an earlier workflow.
 
 Writes under ``--out`` (default benchmarks/results/): bench_<tag>.json (everything, with the
 machine and the exact command), bench_<tag>_runs.csv (one row per run), bench_<tag>_summary.csv
@@ -24,23 +29,33 @@ from .. import config, validation
 from ..errors import InvalidInputError
 
 PROFILES = {
-    # CI smoke test: seconds of compute, checks the whole pipeline end to end
-    "smoke": {"model": "tiny-llama", "contexts": [128, 256], "agents": 2, "exp2_context": 128, "ks": [1, 2],
-              "reps": 1, "max_new_tokens": 4, "exp3_contexts": [128, 512], "netem_rates": [], "netem_contexts": [],
-              "systems": ["text", "hf", "local", "dkv"], "probe_mib": 4, "warmup": False},
+    # CI smoke test: seconds of compute; k = 4 on 2 workers reaches the batched path
+    "smoke": {"model": "tiny-llama", "contexts": [128, 256], "agents": 4, "exp2_context": 128, "ks": [1, 4],
+              "reps": 1, "max_new_tokens": 4, "exp3_contexts": [128, 512], "netem_jobs": [], "near_tie": [], "near_tie_contexts": [], "systems": ["text", "hf", "local", "dkv"], "probe_mib": 4, "warmup": False,
+              "exp6_workflows": ["debate"], "exp6_context": 96, "exp7_rates": [600], "exp7_workflows": 4,
+              "exp7_docs": 2, "exp7_context": 96},
     # a few minutes on 2 cores: tiny-llama, every experiment at small sizes
     "quick": {"model": "tiny-llama", "contexts": [256, 512, 1024, 1900], "agents": 4, "exp2_context": 512,
               "ks": [1, 2, 4, 8, 16], "reps": 1, "max_new_tokens": 8, "exp3_contexts": [256, 1024, 1900],
-              "netem_rates": [50, 2], "netem_contexts": [256, 1900], "systems": ["text", "hf", "local", "dkv"]},
-    # the real measurement: SmolLM2-135M (46,080 KV bytes per token in fp32); ~40 min on 2 quiet cores
-    "full": {"model": "smollm2", "contexts": [512, 1024, 2048, 4096, 8192], "agents": 4, "exp2_context": 2048,
-             "ks": [1, 2, 4, 8, 16], "reps": 2, "max_new_tokens": 16, "exp3_contexts": [512, 1024, 2048, 4096],
-             "netem_rates": [2000, 500, 150, 50], "netem_contexts": [512, 1024, 2048],
-             "systems": ["text", "hf", "local", "dkv"]},
+              "netem_jobs": [[50, [256, 1900]], [2, [256]]], "near_tie": [0.85, 1.2], "near_tie_contexts": [1024],
+              "systems": ["text", "hf", "local", "dkv"], "exp6_workflows": ["debate", "planner"],
+              "exp6_context": 512, "exp7_rates": [60, 600], "exp7_workflows": 8, "exp7_docs": 4, "exp7_context": 256},
+    # the published measurement: SmolLM2-135M (46,080 KV bytes per token in fp32); with
+    # --warm --reps 3 about 75 min on 2 quiet cores (see SUMMARY.md for the breakdown)
+    "full": {"model": "smollm2", "contexts": [512, 1024, 2048, 4096], "agents": 4, "exp2_context": 1024,
+             "ks": [1, 2, 4, 8, 16], "reps": 3, "max_new_tokens": 16, "exp3_contexts": [512, 1024, 2048, 4096],
+             "netem_jobs": [[1000, [512, 1024, 2048, 4096]], [300, [512, 1024, 2048]], [50, [512, 1024]]],
+             "near_tie": [0.85, 1.2], "near_tie_contexts": [512, 1024, 2048],
+             "systems": ["text", "hf", "local", "dkv"], "exp6_workflows": ["debate", "planner"],
+             "exp6_context": 2048, "exp7_rates": [8, 24, 72], "exp7_workflows": 16, "exp7_docs": 4,
+             "exp7_context": 1024},
 }
 MODELED_BANDWIDTHS_GBPS = [100, 25, 10, 3, 1, 0.3, 0.1, 0.03, 0.01]
 # systems.SYSTEMS + systems.OPTIONAL_SYSTEMS (tests check), here so flags are checked without torch
 ALL_SYSTEMS = ("text", "hf", "local", "dkv", "dkv-transfer", "dkv-recompute")
+
+
+EXPERIMENTS = (1, 2, 3, 4, 5, 6, 7)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick", help="same as --profile quick")
     ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path (profile default)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--experiments", default="1,2,3,4,5", help="comma list of 1-5 (4 and 5 come from 2's runs)")
+    ap.add_argument("--experiments", default="1,2,3,4,5,6,7",
+                    help="comma list of 1-7 (4 and 5 come from 2's runs)")
     ap.add_argument("--systems", help="comma list of text,hf,local,dkv,dkv-transfer,dkv-recompute")
+    ap.add_argument("--warm", action="store_true", help="exp 1 and 2 also warm: the shared context already cached")
     ap.add_argument("--contexts", type=int, nargs="+", help="exp1 context lengths (prompt tokens)")
     ap.add_argument("--agents", type=int, help="exp1 agents")
     ap.add_argument("--exp2-context", type=int, help="exp2 context length")
@@ -61,12 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exp3-contexts", type=int, nargs="+")
     ap.add_argument("--netem-rates", type=float, nargs="*", help="Mbit/s for the throttled exp3 (needs root)")
     ap.add_argument("--netem-contexts", type=int, nargs="*")
+    ap.add_argument("--near-tie", type=float, nargs="*",
+                    help="extra exp3 rates at these multiples of each context's measured tie rate")
     ap.add_argument("--no-netem", action="store_true", help="skip real throttling (exp3 MODELED rows stay)")
+    ap.add_argument("--exp6-context", type=int, help="exp6 shared context (tokens)")
+    ap.add_argument("--exp7-rates", type=float, nargs="+", help="exp7 arrival rates, workflows per minute")
+    ap.add_argument("--exp7-workflows", type=int, help="exp7 workflows per stream")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--memory-limit", default="8GiB", help="per worker")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ap.add_argument("--tag", default=None, help="file name tag (default: the profile)")
     ap.add_argument("--summary", default=None, help="markdown summary path")
+    ap.add_argument("--readme", default=None,
+                    help="rewrite this README's results block (between its bench:results markers) from the run")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -75,18 +99,26 @@ def _parser() -> argparse.ArgumentParser:
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "netem_rates", "netem_contexts"):
+                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows"):
         v = getattr(args, key)
         if v is not None:
             cfg[key] = v
+    if args.netem_rates is not None or args.netem_contexts is not None:
+        rates = args.netem_rates if args.netem_rates is not None else sorted({r for r, _ in cfg["netem_jobs"]})
+        ctxs = args.netem_contexts if args.netem_contexts is not None else \
+            sorted({c for _, cs in cfg["netem_jobs"] for c in cs})
+        cfg["netem_jobs"] = [[r, list(ctxs)] for r in rates]
+        if args.netem_contexts is not None:
+            cfg["near_tie_contexts"] = list(args.netem_contexts)
     if args.systems is not None:
         cfg["systems"] = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.no_netem:
-        cfg["netem_rates"] = []
+        cfg["netem_jobs"], cfg["near_tie"] = [], []
     cfg["experiments"] = [x.strip() for x in args.experiments.split(",") if x.strip()]
     cfg["dtype"] = args.dtype
     cfg["workers"] = args.workers
     cfg["profile"] = args.profile
+    cfg["phases"] = ["cold", "warm"] if args.warm else ["cold"]
     return check(cfg)
 
 
@@ -100,11 +132,11 @@ def check(cfg: dict) -> dict:
     cfg["dtype"] = v.dtype("--dtype", cfg["dtype"])
     exps = set()
     for x in cfg["experiments"]:
-        if not x.isdigit() or not 1 <= int(x) <= 5:
-            raise InvalidInputError(f"--experiments must be a comma list of 1-5, got {x!r}")
+        if not x.isdigit() or int(x) not in EXPERIMENTS:
+            raise InvalidInputError(f"--experiments must be a comma list of 1-7, got {x!r}")
         exps.add(int(x))
     if not exps:
-        raise InvalidInputError("--experiments must name at least one of 1-5")
+        raise InvalidInputError("--experiments must name at least one of 1-7")
     cfg["experiments"] = sorted(exps)
     if not cfg["systems"]:
         raise InvalidInputError(f"--systems must name at least one of {', '.join(ALL_SYSTEMS)}")
@@ -116,28 +148,34 @@ def check(cfg: dict) -> dict:
     cfg["max_new_tokens"] = v.max_new_tokens("--max-new-tokens", cfg["max_new_tokens"])
     cfg["workers"] = v.integer("--workers", cfg["workers"], minimum=1)
     for key, flag in (("contexts", "--contexts"), ("exp3_contexts", "--exp3-contexts"),
-                      ("netem_contexts", "--netem-contexts")):
+                      ("near_tie_contexts", "--netem-contexts")):
         cfg[key] = [v.integer(flag, c, minimum=1) for c in cfg[key]]
+    cfg["netem_jobs"] = [[v.number("--netem-rates", r, above=0), [v.integer("--netem-contexts", c, minimum=1)
+                                                                  for c in cs]] for r, cs in cfg["netem_jobs"]]
+    cfg["near_tie"] = [v.number("--near-tie", f, above=0) for f in cfg["near_tie"]]
     cfg["ks"] = [v.integer("--ks", k, minimum=1, maximum=most) for k in cfg["ks"]]
-    cfg["netem_rates"] = [v.number("--netem-rates", r, above=0) for r in cfg["netem_rates"]]
+    cfg["exp6_context"] = v.integer("--exp6-context", cfg["exp6_context"], minimum=1)
+    cfg["exp7_rates"] = [v.number("--exp7-rates", r, above=0) for r in cfg["exp7_rates"]]
+    cfg["exp7_workflows"] = v.integer("--exp7-workflows", cfg["exp7_workflows"], minimum=1)
     if 3 in exps and cfg["workers"] < 2:
         raise InvalidInputError("experiment 3 moves KV between two workers: --workers must be >= 2 with it")
     return cfg
 
 
-def _warm_up(rt, systems, workers, max_new) -> None:
+def _warm_up(b, systems, max_new) -> None:
+    """One tiny run of every system: model code paths, connections and kernels warmed."""
     from . import systems as S
     from .workload import build_workload
 
-    wl = build_workload(rt.tokenizer, 96, min(len(workers), 2), min(max_new, 2), f"warmup-{time.time()}",
-                        rt.facts.max_positions)
+    wl = build_workload(b.rt.tokenizer, 96, min(len(b.workers), 2) * 2, min(max_new, 2), f"warmup-{time.time()}",
+                        b.rt.facts.max_positions)
     for name in systems:
-        S.measured_run(rt, name, wl, workers, sample_memory=False)
-        S.drain_kv(rt, timeout=10)
+        S.measured_run(b, name, wl, sample_memory=False)
+        S.reset_caches(b)
 
 
 def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, progress: bool = True,
-        summary_path: Path | None = None, memory_limit: str = "8GiB") -> dict:
+        summary_path: Path | None = None, memory_limit: str = "8GiB", readme: Path | None = None) -> dict:
     from distributed import Client
 
     from ..runtime.cluster import local_cluster
@@ -160,16 +198,8 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
         with local_cluster(cfg["workers"], 1, memory_limit=memory_limit, dashboard_address=None) as cluster, \
                 Client(cluster) as client:
             _cluster_part(cfg, doc, client, out_dir, tag, progress)
-        if 3 in exps and cfg["netem_rates"]:
-            from .netem import run_throttled
-
-            log(f"exp3 under real rate limits: {cfg['netem_rates']} Mbit/s, contexts {cfg['netem_contexts']}")
-            net = run_throttled(cfg["model"], list(cfg["netem_rates"]), list(cfg["netem_contexts"]), cfg["dtype"],
-                                memory_limit=memory_limit)
-            doc["exp3"] = doc.get("exp3", []) + net.get("rows", [])
-            doc["netem"] = {"error": net.get("error"), "rates_mbit": cfg["netem_rates"]}
-            if net.get("error"):
-                log(f"  throttled exp3 incomplete: {net['error']} (MODELED rows only for the missing points)")
+        if 3 in exps and (cfg["netem_jobs"] or cfg["near_tie"]):
+            _throttled_part(cfg, doc, memory_limit)
         elif 3 in exps:
             doc["netem"] = {"error": "not run (no rates given or --no-netem)"}
     except BaseException as e:  # keep what was measured; Ctrl-C included
@@ -182,51 +212,105 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
         files = write_all(doc, out_dir, tag, plots=plots, summary_path=summary_path)
         doc["files"] = [str(f) for f in files]
         log("wrote:\n  " + "\n  ".join(str(f) for f in files))
+        if readme is not None and "error" not in doc:
+            from .report_md import update_readme
+
+            block = (out_dir / f"bench_{tag}_readme.md").read_text()
+            log(f"README results block {'rewritten' if update_readme(readme, block) else 'NOT found'} in {readme}")
     return doc
 
 
+def _throttled_part(cfg: dict, doc: dict, memory_limit: str) -> None:
+    """Exp 3 under real rate limits: the profile's jobs, then near-tie rates per context."""
+    from .common import log
+    from .experiments import near_tie_rates
+    from .netem import run_throttled
+
+    jobs = [(r, cs) for r, cs in cfg["netem_jobs"]]
+    loop = [r for r in doc.get("exp3", []) if r.get("label") == "loopback"]
+    ties = near_tie_rates(loop, cfg["near_tie_contexts"], cfg["near_tie"]) if cfg["near_tie"] else []
+    jobs += ties
+    doc["netem_jobs"] = jobs
+    log(f"exp3 under real rate limits: {len(jobs)} jobs ({len(ties)} at near-tie rates): "
+        + ", ".join(f"{r:g} Mbit/s {cs}" for r, cs in jobs))
+    t0 = time.time()
+    net = run_throttled(cfg["model"], jobs, cfg["dtype"], memory_limit=memory_limit)
+    doc["exp3"] = doc.get("exp3", []) + net.get("rows", [])
+    doc["netem"] = {"error": net.get("error"), "jobs": jobs, "seconds": time.time() - t0}
+    if net.get("error"):
+        log(f"  throttled exp3 incomplete: {net['error']} (MODELED rows only for the missing points)")
+
+
 def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progress: bool) -> None:
-    """Experiments 1-5 on the local cluster (exp 3's throttled part runs elsewhere)."""
+    """Experiments 1-7 on the local cluster (exp 3's throttled part runs elsewhere)."""
     from ..runtime.kv_runtime import KVRuntime
     from . import experiments as E
     from . import systems as S
     from .common import Progress, log, write_json
 
     t_start = time.time()
-    exps, systems = cfg["experiments"], cfg["systems"]
+    exps, systems, phases = cfg["experiments"], cfg["systems"], cfg["phases"]
     rt = KVRuntime(client, cfg["model"], dtype=cfg["dtype"])
     workers = S.workers_of(client)
     doc["lease_shortened"] = S.shorten_lease(client)
-    client.get_task_stream()  # start recording task timings
     max_pos = rt.facts.max_positions
     doc["model"] = {"name": cfg["model"], "model_id": rt.fingerprint.model_id, "dtype": cfg["dtype"],
                     "bytes_per_token": rt.facts.bytes_per_token, "max_positions": max_pos}
     log(f"cluster up, model loaded in {time.time() - t_start:.1f}s")
     t0 = time.time()
-    doc["calibration"] = rt.calibrate(probe_bytes=cfg.get("probe_mib", 32) << 20)
-    if cfg.get("warmup", True):
-        _warm_up(rt, systems, workers, cfg["max_new_tokens"])
-    log(f"cluster of {len(workers)} workers ready; calibrated and warmed up in {time.time() - t0:.1f}s")
     limit = max_pos - cfg["max_new_tokens"] - 8
     contexts = sorted({min(c, limit) for c in cfg["contexts"]})
-    n_runs = len(systems) * cfg["reps"] * ((len(contexts) if 1 in exps else 0)
-                                           + (len(cfg["ks"]) if {2, 4, 5} & set(exps) else 0))
-    bar = Progress(n_runs + (len(cfg["exp3_contexts"]) if 3 in exps else 0), "bench", progress)
+    longest = max([*(contexts if 1 in exps else []), cfg["exp2_context"] if {2, 4, 5} & set(exps) else 0,
+                   *(cfg["exp3_contexts"] if 3 in exps else []), 256])
+    # calibrated over the lengths the planner will predict: fan-out contexts and exp 3's
+    doc["calibration"] = rt.calibrate(probe_bytes=cfg.get("probe_mib", 32) << 20,
+                                      probe_tokens=min(longest, max_pos - 16))
+    b = S.make_bench(rt, workers)
+    if cfg.get("warmup", True):
+        _warm_up(b, systems, cfg["max_new_tokens"])
+    log(f"cluster of {len(workers)} workers ready; calibrated and warmed up in {time.time() - t0:.1f}s")
+    per_point = sum(len(systems) - (p == "warm" and "text" in systems) for p in phases)
+    n_steps = cfg["reps"] * per_point * ((len(contexts) if 1 in exps else 0)
+                                         + (len(cfg["ks"]) if {2, 4, 5} & set(exps) else 0))
+    n_steps += len(cfg["exp3_contexts"]) if 3 in exps else 0
+    n_steps += cfg["reps"] * 2 * 3 if 6 in exps else 0
+    n_steps += len(cfg["exp7_rates"]) * 3 if 7 in exps else 0
+    bar = Progress(n_steps, "bench", progress)
     partial = out_dir / f"bench_{tag}.json"
+    doc["timing"] = {}
+
+    def step(name, fn):
+        t = time.time()
+        fn()
+        doc["timing"][name] = time.time() - t
+        write_json(partial, doc)
+
     try:
         if 1 in exps:
-            doc["runs"] += E.exp1(rt, contexts, cfg["agents"], cfg["max_new_tokens"], systems, workers, cfg["reps"],
-                                  bar)
-            write_json(partial, doc)
+            step("exp1", lambda: doc["runs"].extend(E.exp1(b, contexts, cfg["agents"], cfg["max_new_tokens"], systems,
+                                                           cfg["reps"], phases, bar)))
         if {2, 4, 5} & set(exps):
-            doc["runs"] += E.exp2(rt, min(cfg["exp2_context"], limit), cfg["ks"], cfg["max_new_tokens"], systems,
-                                  workers, cfg["reps"], bar)
-            write_json(partial, doc)
+            step("exp2", lambda: doc["runs"].extend(E.exp2(b, min(cfg["exp2_context"], limit), cfg["ks"],
+                                                           cfg["max_new_tokens"], systems, cfg["reps"], phases, bar)))
         if 3 in exps:
-            e3 = sorted({min(c, max_pos - 16) for c in cfg["exp3_contexts"]})
-            doc["exp3"] = E.exp3_loopback(rt, e3, workers, 1, bar, probe_bytes=cfg.get("probe_mib", 32) << 20)
-            doc["exp3_modeled"] = E.modeled_sweep(rt, e3, MODELED_BANDWIDTHS_GBPS, workers[1])
-            write_json(partial, doc)
+            def exp3():
+                e3 = sorted({min(c, max_pos - 16) for c in cfg["exp3_contexts"]})
+                doc["exp3"] = E.exp3_loopback(rt, e3, workers, 1, bar, probe_bytes=cfg.get("probe_mib", 32) << 20)
+                doc["exp3_modeled"] = E.modeled_sweep(rt, e3, MODELED_BANDWIDTHS_GBPS, workers[1])
+            step("exp3", exp3)
+        if 6 in exps:
+            from .multiround import exp6
+
+            S.refresh_router(b)
+            step("exp6", lambda: doc["runs"].extend(exp6(b, cfg["exp6_workflows"], cfg["exp6_context"],
+                                                         cfg["max_new_tokens"], systems, cfg["reps"], bar)))
+        if 7 in exps:
+            from .load import exp7
+
+            S.refresh_router(b)
+            step("exp7", lambda: doc["runs"].extend(exp7(b, cfg["exp7_rates"], cfg["exp7_workflows"],
+                                                         cfg["exp7_docs"], cfg["exp7_context"],
+                                                         cfg["max_new_tokens"], systems, bar)))
     finally:
         bar.close()
         doc["counters"] = rt.counters()["counters"]
@@ -247,12 +331,18 @@ def main(argv=None) -> int:
             raise InvalidInputError(f"--tag must be a plain file-name part, got {tag!r}")
         summary = Path(validation.writable_file("--summary", args.summary)) if args.summary else \
             out_dir / ("SUMMARY.md" if tag == "full" else f"SUMMARY_{tag}.md")
+        readme = Path(validation.writable_file("--readme", args.readme)) if args.readme else None
+        if readme is not None:
+            from .report_md import README_END, README_START
+
+            if not readme.is_file() or README_START not in readme.read_text() or README_END not in readme.read_text():
+                raise InvalidInputError(f"--readme {str(readme)!r} has no {README_START} ... {README_END} block")
     except InvalidInputError as e:
         print(f"daskflow-kv bench: error: {e}", file=sys.stderr)
         return 2
     prog = "daskflow-kv bench" if argv is not None or "daskflow-kv" in sys.argv[0] else "python -m daskflow_kv.bench"
     doc = run(cfg, out_dir, tag, command_line(prog, argv), plots=not args.no_plots, progress=not args.no_progress,
-              summary_path=summary, memory_limit=args.memory_limit)
+              summary_path=summary, memory_limit=args.memory_limit, readme=readme)
     mismatched = sorted({r["system"] for r in doc.get("runs", []) if r.get("agree") is False})
     if mismatched:
         print(f"outputs differed from text replay for: {', '.join(mismatched)} (speeds not reported)")

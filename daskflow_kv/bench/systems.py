@@ -2,36 +2,44 @@
 
 text       text replay / dense prefill: every agent prefills its whole prompt
            (``KVRuntime.generate_text``, what text passing between agents costs).
-hf         the Hugging Face prefix-cache recipe: per worker process, prefill the shared
-           prompt once into a DynamicCache, ``copy.deepcopy`` it per branch, ``generate``.
-local      local prefix reuse per worker: each worker prefills the shared prefix once and
-           resumes its branches from it (a serving engine's local prefix cache); nothing
-           crosses workers.
-dkv        daskflow-kv: materialize once, fork, ``resume_many(policy="auto")`` (the cost
-           model decides per destination worker whether to transfer or recompute).
+hf         the Hugging Face prefix-cache recipe, plain: per worker process, prefill the
+           shared prompt once into a DynamicCache, ``copy.deepcopy`` it per branch and
+           ``generate`` the branches one after another. Branches go round-robin.
+local      what one vLLM/SGLang instance per worker gives: a per-worker engine with an
+           automatic prefix cache and batched decode of the branches it serves together
+           (``bench.local_engine``), behind a cache-aware router (``bench.router``). Nothing
+           crosses workers: a worker that lacks the prefix prefills it.
+dkv        daskflow-kv: materialize once, fork, ``resume_many(policy="auto")`` (the planner
+           places branches by earliest finish: reuse, transfer or recompute per worker).
 dkv-transfer / dkv-recompute   the same with the policy forced (optional).
 
-Branches are spread round-robin over the workers by every system (the KV runtime's planner
-does the same, holder first). Each ``run_*`` returns a ``SystemRun``: per-agent tokens and
-first-token times, model seconds per worker, bytes moved between workers, memory peaks.
+Every system is timed the same way: TTFT is the agent's first sampled token (the worker's
+``time.time()``) minus the workflow's start (the client's ``time.time()``, same host, same
+clock), so queueing and any shared prefill are inside it. ``shared_ready_at`` is when the
+first copy of the shared context existed to resume from (the workflow's start when it was
+already cached); for text replay, which never holds the context alone, the end of the
+first prompt prefill. In a cold run no first token can precede it.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass, field
 
 from ..runtime import tasks
+from . import local_engine as le
 from . import worker_tasks as wt
+from .router import CacheAwareRouter
 from .workload import Workload
 
 SYSTEMS = ("text", "hf", "local", "dkv")
 OPTIONAL_SYSTEMS = ("dkv-transfer", "dkv-recompute")
 LABELS = {
     "text": "text replay (dense prefill)",
-    "hf": "HF prefix-cache recipe (deepcopy)",
-    "local": "local prefix reuse per worker",
+    "hf": "HF prefix-cache recipe (deepcopy, sequential)",
+    "local": "per-worker prefix cache + batched decode",
     "dkv": "daskflow-kv (auto)",
     "dkv-transfer": "daskflow-kv (transfer)",
     "dkv-recompute": "daskflow-kv (recompute)",
@@ -62,10 +70,17 @@ class SystemRun:
     decisions: dict[str, int] = field(default_factory=dict)  # dkv: action -> destinations
     memory: dict = field(default_factory=dict)  # per-worker sampler results
     kv_accounted_bytes: int = 0  # KV bytes live at peak, by accounting (not sampling)
+    shared_ready_at: float | None = None  # time.time() when the first copy of the shared context existed
+    batched_branches: int = 1  # most branches one worker decoded together in one batch
+    phase: str = "cold"  # cold | warm
     notes: str = ""
 
     def ttfts(self) -> list[float]:
         return [a.first_token_at - self.start for a in self.agents]
+
+    @property
+    def shared_prefill_wall_s(self) -> float:
+        return math.nan if self.shared_ready_at is None else max(0.0, self.shared_ready_at - self.start)
 
     @property
     def generated_tokens(self) -> int:
@@ -92,126 +107,184 @@ class SystemRun:
         return [a.tokens for a in sorted(self.agents, key=lambda a: a.index)]
 
 
+@dataclass
+class Bench:
+    """What every runner needs: the runtime, the workers in order, the local router."""
+
+    rt: object  # KVRuntime
+    workers: list[str]
+    router: CacheAwareRouter
+
+    @property
+    def client(self):
+        return self.rt.client
+
+
+def make_bench(rt, workers: list[str]) -> Bench:
+    """The bench context, its router fed with the runtime's measured prefill profiles."""
+    view = rt.view()
+    return Bench(rt, list(workers), CacheAwareRouter(workers, {w: view.profile(w) for w in workers}))
+
+
+def refresh_router(b: Bench) -> None:
+    view = b.rt.view()
+    b.router.profiles = {w: view.profile(w) for w in b.workers}
+
+
 def workers_of(client) -> list[str]:
     return sorted(client.scheduler_info(n_workers=-1)["workers"])
 
 
-def _task_starts(client, since: float) -> dict[str, float]:
-    """key -> compute start (worker clock) from Dask's task stream."""
-    out = {}
-    for rec in client.get_task_stream(start=since - 1.0):
-        for ss in rec.get("startstops", ()):
-            if ss.get("action") == "compute":
-                out[str(rec["key"])] = ss["start"]
-    return out
+def _first_ready(start: float, per_worker: list[dict]) -> float | None:
+    """When the first copy of the prefix existed: the start if a worker already held it."""
+    times = [start if o.get("prefix_tokens_computed", 1) == 0 else o["prefix_ready_at"] for o in per_worker]
+    return min(times) if times else None
 
 
 # -- the systems -----------------------------------------------------------------------------
-def run_text(rt, wl: Workload, workers: list[str]) -> SystemRun:
+def run_text(b: Bench, wl: Workload) -> SystemRun:
+    rt, workers = b.rt, b.workers
     t0 = time.time()
     futs = [rt.generate_text(p, wl.max_new_tokens, stream=i, worker=workers[i % len(workers)])
             for i, p in enumerate(wl.prompts)]
     results = rt.client.gather(futs)
     wall = time.time() - t0
-    starts = _task_starts(rt.client, t0)
     agents, compute = [], {}
-    for i, (f, r) in enumerate(zip(futs, results)):
+    for i, r in enumerate(results):
         m = r.metrics
-        start = starts.get(str(f.key), t0)
-        agents.append(AgentRun(i, r.worker, list(r.generated), start + m["ttft_s"], m["ttft_s"], m["decode_s"]))
+        agents.append(AgentRun(i, r.worker, list(r.generated), m["first_token_at"], m["ttft_s"], m["decode_s"]))
         compute[r.worker] = compute.get(r.worker, 0.0) + m["load_s"] + m["prefill_s"] + m["decode_s"] + m["export_s"]
     bpt = rt.facts.bytes_per_token
     per_worker: dict[str, int] = {}
     for a, p in zip(agents, wl.prompts):
         per_worker[a.worker] = max(per_worker.get(a.worker, 0), bpt * (len(p) + wl.max_new_tokens))
+    # Text replay never holds the context alone: its first copy exists when the first
+    # prompt prefill (which contains it) ends, i.e. at the earliest first token.
     return SystemRun("text", t0, wall, agents, compute, 0.0, sum(len(p) for p in wl.prompts),
-                     kv_accounted_bytes=sum(per_worker.values()))
+                     kv_accounted_bytes=sum(per_worker.values()),
+                     shared_ready_at=min(a.first_token_at for a in agents))
 
 
-def _per_worker(workers: list[str], wl: Workload) -> dict[str, list[tuple[int, list[int]]]]:
+def run_hf(b: Bench, wl: Workload) -> SystemRun:
+    """The plain recipe: branches round-robin over the workers, decoded one after another."""
+    rt, workers = b.rt, b.workers
     groups: dict[str, list] = {}
     for i, s in enumerate(wl.suffixes):
         groups.setdefault(workers[i % len(workers)], []).append((i, s))
-    return groups
-
-
-def _run_per_worker(rt, wl: Workload, workers: list[str], fn, name: str) -> SystemRun:
     t0 = time.time()
-    futs = [rt.client.submit(fn, rt.spec, wl.prefix, branches, wl.max_new_tokens, workers=[w],
+    futs = [rt.client.submit(wt.hf_recipe, rt.spec, wl.prefix, branches, wl.max_new_tokens, workers=[w],
                              allow_other_workers=False, pure=False)
-            for w, branches in _per_worker(workers, wl).items()]
+            for w, branches in groups.items()]
     outs = rt.client.gather(futs)
     wall = time.time() - t0
-    agents, compute, shared, copied, kv = [], {}, 0.0, 0, 0
+    agents, compute, shared, copied, kv, tokens = [], {}, 0.0, 0, 0, 0
     for out in outs:
         w = out["worker"]
         shared += out["prefix_prefill_s"]
         kv += out["peak_kv_bytes"]
         busy = out["prefix_prefill_s"]
-        for b in out["branches"]:
-            agents.append(AgentRun(b["index"], w, b["tokens"], b["first_token_at"],
-                                   b["prefill_s"] + b.get("load_s", 0.0) + b.get("copy_s", 0.0), b["decode_s"]))
-            busy += b["stop"] - b["start"]
-            copied += b["copied_bytes"]
+        tokens += out["prefix_tokens_computed"]
+        for br in out["branches"]:
+            agents.append(AgentRun(br["index"], w, br["tokens"], br["first_token_at"], br["prefill_s"] + br["copy_s"],
+                                   br["decode_s"]))
+            busy += br["stop"] - br["start"]
+            copied += br["copied_bytes"]
+            tokens += br["tokens_computed"]
         compute[w] = compute.get(w, 0.0) + busy
     agents.sort(key=lambda a: a.index)
-    tokens = len(wl.prefix) * len(outs) + sum(len(s) for s in wl.suffixes)
-    return SystemRun(name, t0, wall, agents, compute, shared, tokens, kv_bytes_copied=copied,
-                     kv_accounted_bytes=kv)
+    return SystemRun("hf", t0, wall, agents, compute, shared, tokens, kv_bytes_copied=copied, kv_accounted_bytes=kv,
+                     shared_ready_at=_first_ready(t0, outs))
 
 
-def run_hf(rt, wl: Workload, workers: list[str]) -> SystemRun:
-    return _run_per_worker(rt, wl, workers, wt.hf_recipe, "hf")
+def submit_local(b: Bench, prefix: list[int], suffixes: list[list[int]], max_new: int) -> list[tuple]:
+    """Route one group over the local engines; [(worker, member indices, predicted s, future)]."""
+    routes = b.router.route(prefix, suffixes, max_new)
+    out = []
+    for w, (idxs, predicted) in routes.items():
+        fut = b.client.submit(le.run_group, b.rt.spec, list(prefix), [(i, list(suffixes[i])) for i in idxs], max_new,
+                              workers=[w], allow_other_workers=False, pure=False)
+        out.append((w, idxs, predicted, fut))
+    return out
 
 
-def run_local(rt, wl: Workload, workers: list[str]) -> SystemRun:
-    return _run_per_worker(rt, wl, workers, wt.local_prefix, "local")
+def finish_local(b: Bench, prefix: list[int], suffixes: list[list[int]], submitted: list[tuple]) -> list[dict]:
+    """Gather routed groups; tell the router what each worker now caches."""
+    outs = []
+    for w, idxs, predicted, fut in submitted:
+        out = fut.result()
+        seqs = [list(prefix) + list(suffixes[br["index"]]) + br["tokens"][:-1] for br in out["branches"]]
+        b.router.done(w, predicted, seqs)
+        outs.append(out)
+    return outs
 
 
-def run_dkv(rt, wl: Workload, workers: list[str], policy: str = "auto", name: str = "dkv") -> SystemRun:
-    client = rt.client
+def run_local(b: Bench, wl: Workload) -> SystemRun:
     t0 = time.time()
-    prefix = rt.materialize(wl.prefix)
-    rt.wait([prefix])  # as the executor does: branches are planned against placed blocks
+    outs = finish_local(b, wl.prefix, wl.suffixes, submit_local(b, wl.prefix, wl.suffixes, wl.max_new_tokens))
+    wall = time.time() - t0
+    agents, compute, shared, kv, tokens = [], {}, 0.0, 0, 0
+    for out in outs:
+        w = out["worker"]
+        shared += out["prefix_prefill_s"]
+        kv += out["peak_kv_bytes"]
+        tokens += out["prefix_tokens_computed"]
+        compute[w] = compute.get(w, 0.0) + out["stop"] - out["start"]
+        for br in out["branches"]:
+            agents.append(AgentRun(br["index"], w, br["tokens"], br["first_token_at"], br["prefill_s"], br["decode_s"]))
+            tokens += br["tokens_computed"]
+    agents.sort(key=lambda a: a.index)
+    return SystemRun("local", t0, wall, agents, compute, shared, tokens,
+                     kv_bytes_copied=b.rt.facts.bytes_per_token * len(wl.prefix) * len(outs), kv_accounted_bytes=kv,
+                     shared_ready_at=_first_ready(t0, outs), batched_branches=max(len(o["branches"]) for o in outs))
+
+
+def run_dkv(b: Bench, wl: Workload, policy: str = "auto", name: str = "dkv") -> SystemRun:
+    rt = b.rt
+    t0 = time.time()
+    prefix = rt.materialize(wl.prefix)  # not waited for: the planner places branches meanwhile
+    made = prefix.state.lineage[-1].as_dict()
     branches = rt.fork(prefix, wl.agents)
     gens = rt.resume_many(list(zip(branches, wl.suffixes)), wl.max_new_tokens, policy=policy)
     wall = time.time() - t0
-    starts = _task_starts(client, t0)
-    events = _prefill_events(client, t0)
-    by_sid = {e["state_id"]: (ts, e) for ts, e in events}
+    need_event = made.get("tokens_computed", 0) > 0
+    events = prefill_events(rt.client, t0, prefix.state_id if need_event else None)
     agents, decisions, compute = [], {}, {}
-    shared = 0.0
-    for ts, e in events:
+    shared, ready = 0.0, []
+    for e in events:
         compute[e["worker"]] = compute.get(e["worker"], 0.0) + e["task_seconds"]
-        if e["op"] in ("materialize", "recompute"):
+        if e["state_id"] == prefix.state_id or e["op"] == "recompute":
             shared += e["seconds"] + e.get("load_seconds", 0.0)
-    tokens = sum(e["new_tokens"] for _, e in events)
+            ready.append(e["done_at"])
+    if not need_event:
+        ready.append(t0)  # every token of the context was cached before the workflow started
+    tokens = sum(e["new_tokens"] for e in events)
     for i, g in enumerate(gens):
         m = g.metrics
-        sid = g.state.state_id
-        start = starts.get(f"kvprefill-resume-{sid}")
-        if start is None and sid in by_sid:  # event logged when the run ended
-            ts, e = by_sid[sid]
-            start = ts - e["task_seconds"]
-        agents.append(AgentRun(i, g.worker, list(g.tokens), (start or t0) + m["ttft_s"], m["ttft_s"], m["decode_s"]))
+        agents.append(AgentRun(i, g.worker, list(g.tokens), m["first_token_at"], m["ttft_s"], m["decode_s"]))
+        if m.get("tokens_reused", len(wl.prefix)) < len(wl.prefix):  # it prefilled the context itself
+            ready.append(m["first_token_at"])
         if g.placement.first:
             decisions[g.placement.action] = decisions.get(g.placement.action, 0) + 1
     for g in gens:
         rt.release(g.state)
-    for b in branches:
-        rt.release(b)
+    for br in branches:
+        rt.release(br)
     rt.release(prefix)
     del gens, branches, prefix
     gc.collect()
-    return SystemRun(name, t0, wall, agents, compute, shared, tokens, decisions=decisions)
+    batched = max((e.get("branches", 1) for e in events if e["op"] == "resume"), default=1)
+    return SystemRun(name, t0, wall, agents, compute, shared, tokens, decisions=decisions,
+                     shared_ready_at=min(ready) if ready else None, batched_branches=batched)
 
 
-def _prefill_events(client, since: float) -> list[tuple[float, dict]]:
-    """Prefill timings the workers reported (runtime.tasks.PREFILL_TOPIC) since ``since``."""
-    deadline = time.time() + 2.0
+def prefill_events(client, since: float, need: str | None = None, timeout: float = 5.0) -> list[dict]:
+    """Prefill timings the workers reported (runtime.tasks.PREFILL_TOPIC) that ended after
+    ``since`` (their own wall clock), waiting until the event of state ``need`` is in."""
+    deadline = time.time() + timeout
     while True:
-        evs = [(ts, e) for ts, e in client.get_events(tasks.PREFILL_TOPIC) if ts >= since - 0.5]
-        if evs or time.time() > deadline:
+        evs = [e for _, e in client.get_events(tasks.PREFILL_TOPIC)
+               if e.get("op") != "calibrate" and e.get("done_at", 0.0) >= since]
+        if (need is None and evs) or any(e["state_id"] == need for e in evs) or time.time() > deadline:
             return evs
         time.sleep(0.05)
 
@@ -220,21 +293,36 @@ RUNNERS = {
     "text": run_text,
     "hf": run_hf,
     "local": run_local,
-    "dkv": lambda rt, wl, ws: run_dkv(rt, wl, ws, "auto", "dkv"),
-    "dkv-transfer": lambda rt, wl, ws: run_dkv(rt, wl, ws, "transfer", "dkv-transfer"),
-    "dkv-recompute": lambda rt, wl, ws: run_dkv(rt, wl, ws, "recompute", "dkv-recompute"),
+    "dkv": lambda b, wl: run_dkv(b, wl, "auto", "dkv"),
+    "dkv-transfer": lambda b, wl: run_dkv(b, wl, "transfer", "dkv-transfer"),
+    "dkv-recompute": lambda b, wl: run_dkv(b, wl, "recompute", "dkv-recompute"),
 }
 
 
+def reset_caches(b: Bench, timeout: float = 10.0) -> bool:
+    """All caches empty, every system's (a cold start): KV blocks, local engines, HF prompts."""
+    b.client.run(le.clear)
+    b.client.run(wt.clear_hf)
+    b.router.forget()
+    return drain_kv(b.rt, timeout=timeout)
+
+
+def prime(b: Bench, system: str, wl: Workload) -> None:
+    """An earlier workflow over the same shared context (other questions, one token each):
+    leaves the context cached wherever ``system`` itself would keep it."""
+    if system != "text":
+        RUNNERS[system](b, wl.primer())
+
+
 # -- measurement wrapper ------------------------------------------------------------------------
-def measured_run(rt, system: str, wl: Workload, workers: list[str], sample_memory: bool = True) -> SystemRun:
+def measured_run(b: Bench, system: str, wl: Workload, sample_memory: bool = True) -> SystemRun:
     """Run ``system`` with transfer logs cleared and memory samplers on; fills bytes and memory."""
-    client = rt.client
+    rt, client = b.rt, b.client
     client.run(wt.clear_transfer_log)
     if sample_memory:
         client.run(wt.start_sampler)
     try:
-        run = RUNNERS[system](rt, wl, workers)
+        run = RUNNERS[system](b, wl)
     finally:
         mem = client.run(wt.stop_sampler) if sample_memory else {}
     logs = client.run(wt.transfer_log)

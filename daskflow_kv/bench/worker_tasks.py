@@ -3,13 +3,13 @@
 * ``hf_recipe``: the Hugging Face prefix-cache recipe, in one task per worker: prefill the
   shared prompt once into a ``DynamicCache``, then per branch ``copy.deepcopy`` the cache
   and ``model.generate`` greedily (what the transformers docs recommend for a shared prompt).
-* ``local_prefix``: a serving engine's local prefix cache: the worker prefills the shared
-  prefix once into blocks and every branch it serves resumes from them. Nothing crosses
-  workers.
+  The prompt cache may be kept for the next run with the same prefix (warm runs).
+* the ``local`` baseline (a per-worker engine with prefix cache and batched decode) is in
+  ``bench.local_engine``.
 * ``start_sampler`` / ``stop_sampler``: a thread in the worker process that samples its RSS
   and the bytes of KV keys it holds (blocks, replicas, prefill outputs) every few ms.
 
-Both baselines use the model the worker already loaded for the KV runtime
+Every baseline uses the model the worker already loaded for the KV runtime
 (``runtime.tasks.get_runner``), so every system runs the very same weights.
 """
 
@@ -62,18 +62,41 @@ class _FirstToken:
         pass
 
 
+_HF_PROMPTS: dict[tuple, object] = {}  # prefix tokens -> DynamicCache kept between runs (``keep``)
+
+
+def clear_hf(dask_worker=None) -> int:
+    """Forget the HF recipe's kept prompt caches (a cold start); returns how many."""
+    n = len(_HF_PROMPTS)
+    _HF_PROMPTS.clear()
+    malloc_trim()
+    return n
+
+
 def hf_recipe(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int, list[int]]],
-              max_new_tokens: int) -> dict:
-    """Prefill ``prefix`` once, then per (index, suffix): deepcopy the cache and generate."""
+              max_new_tokens: int, keep: bool = True) -> dict:
+    """Prefill ``prefix`` once, then per (index, suffix): deepcopy the cache and generate.
+
+    ``keep``: the prompt cache stays in this process for the next run with the same prefix
+    (exact match only, the one it holds last), as a server applying the recipe would keep it.
+    """
     from transformers import DynamicCache
 
     runner = tasks.get_runner(spec)
     model, dev = runner.model, runner.device
     eos = sorted(runner.eos_ids)
     start = time.time()
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([prefix], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
+    key = (spec, tuple(prefix))
+    cache = _HF_PROMPTS.get(key)
+    computed = 0
+    if cache is None:
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=torch.tensor([prefix], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
+        computed = len(prefix)
+        _HF_PROMPTS.clear()
+        if keep:
+            _HF_PROMPTS[key] = cache
     prefix_done = time.time()
     prefix_bytes = _cache_nbytes(cache)
     out, peak_copy, copy_s = [], 0, 0.0
@@ -96,41 +119,14 @@ def hf_recipe(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int
         out.append({
             "index": index, "tokens": seq[0, ids.shape[1]:].tolist(), "first_token_at": first,
             "copy_s": t1 - t0, "prefill_s": first - t1, "decode_s": t2 - first, "start": t0, "stop": t2,
-            "copied_bytes": prefix_bytes,
+            "copied_bytes": prefix_bytes, "tokens_computed": len(suffix),
         })
         del branch_cache
     return {
         "worker": _worker_address(), "start": start, "prefix_prefill_s": prefix_done - start,
+        "prefix_ready_at": prefix_done, "prefix_tokens_computed": computed,
         "prefix_bytes": prefix_bytes, "peak_kv_bytes": prefix_bytes + peak_copy, "copy_s": copy_s,
         "branches": out, "stop": time.time(),
-    }
-
-
-def local_prefix(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int, list[int]]],
-                 max_new_tokens: int) -> dict:
-    """Prefill ``prefix`` once on this worker into blocks; resume every branch from them."""
-    runner = tasks.get_runner(spec)
-    start = time.time()
-    pre = runner.run([], 0, list(prefix), 0)  # exports the prefix blocks, decodes nothing
-    blocks = [b for _, _, b in pre.new_blocks]
-    prefix_done = time.time()
-    prefix_bytes = sum(b.numel() * b.element_size() for b in blocks)
-    out, peak_work = [], 0
-    for index, suffix in branches:
-        t0 = time.time()
-        r = runner.run(blocks, len(prefix), list(suffix), max_new_tokens, export=False)
-        t1 = time.time()
-        m = r.metrics
-        peak_work = max(peak_work, runner.bytes_per_token * (len(prefix) + len(suffix) + max_new_tokens))
-        out.append({
-            "index": index, "tokens": list(r.generated), "first_token_at": t0 + m.load_s + m.prefill_s,
-            "load_s": m.load_s, "prefill_s": m.prefill_s, "decode_s": m.decode_s, "start": t0, "stop": t1,
-            "copied_bytes": runner.bytes_per_token * len(prefix),  # loaded into the working cache
-        })
-    return {
-        "worker": _worker_address(), "start": start, "prefix_prefill_s": prefix_done - start,
-        "prefix_bytes": prefix_bytes, "peak_kv_bytes": prefix_bytes + peak_work, "branches": out,
-        "stop": time.time(),
     }
 
 

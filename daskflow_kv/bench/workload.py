@@ -58,6 +58,14 @@ class Workload:
     def prompt_tokens(self) -> int:
         return max(len(p) for p in self.prompts)
 
+    def primer(self) -> Workload:
+        """An earlier workflow over the same shared context: the same prefix, then a token
+        none of this workload's suffixes starts with, then those suffixes; one new token
+        each. It caches the context (and continuations that extend no prompt of this one)."""
+        firsts = {s[0] for s in self.suffixes}
+        x = next(t for t in reversed(self.prefix) if t not in firsts)
+        return Workload(f"{self.salt}-primer", [self.prefix + [x] + s for s in self.suffixes], list(self.prefix), 1)
+
     def describe(self) -> dict:
         return {"salt": self.salt, "agents": self.agents, "prefix_tokens": len(self.prefix),
                 "prompt_tokens_max": self.prompt_tokens, "suffix_tokens": [len(s) for s in self.suffixes],

@@ -200,6 +200,7 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
             "seconds": out.metrics.prefill_s,
             "load_seconds": out.metrics.load_s,
             "task_seconds": time.perf_counter() - t0,
+            "done_at": time.time(),  # wall clock: its K/V (the prefix it made) exist from here on
         }
     )
     return _output(out, worker)
@@ -256,6 +257,7 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
             "seconds": batch.stats.prefill_s,
             "load_seconds": batch.stats.load_s,
             "task_seconds": time.perf_counter() - t0,
+            "done_at": time.time(),
         }
     )
     outputs = [_output(out, worker) for out in batch]
