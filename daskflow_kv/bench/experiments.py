@@ -302,11 +302,12 @@ def modeled_sweep(rt, contexts, bandwidths_gbps, dst: str, latency: float = DEFA
     return rows
 
 
-def exp3_loopback(rt, contexts, workers, reps: int = 1, progress=None, probe_bytes: int = 32 << 20) -> list[dict]:
+def exp3_loopback(rt, contexts, workers, reps: int = 1, progress=None, probe_bytes: int = 32 << 20,
+                  calibration: dict | None = None) -> list[dict]:
+    """``calibration``: a fresh ``rt.calibrate`` result that covered ``max(contexts)`` tokens
+    (else one is taken: a profile fitted on short prefills alone mispredicts long ones)."""
     src, dst = workers[0], workers[1]
-    # calibrated over the lengths it will predict (a profile fitted on short prefills alone
-    # mispredicts long ones)
-    cal = rt.calibrate(probe_bytes=probe_bytes, probe_tokens=max(contexts))
+    cal = calibration or rt.calibrate(probe_bytes=probe_bytes, probe_tokens=max(contexts))
     probe = cal["bandwidth"].get(f"{src}->{dst}")
     rows = []
     for rep in range(reps):
