@@ -106,7 +106,8 @@ def run_point(b: S.Bench, exp: str, point: dict, context: int, agents: int, max_
                     S.reset_caches(b)
                     if phase == "warm":
                         S.prime(b, name, wl)
-                    runs[name] = S.measured_run(b, name, wl)
+                    # memory is sampled where exp 4 reads it (cold exp 2): sampling costs a little CPU
+                    runs[name] = S.measured_run(b, name, wl, sample_memory=exp == "exp2" and phase == "cold")
                     runs[name].phase = phase
                     note = f"{runs[name].wall_s:.2f}s"
                 except Exception as e:  # noqa: BLE001 -- one failed run must not lose the others' results

@@ -376,9 +376,10 @@ def readme_table(doc: dict, summary: list[dict]) -> str:
     lines = [f"Measured by `{doc['command']}` ({doc.get('total_s', 0) / 60:.0f} min, {m.get('time_utc', '')}): "
              f"{model.get('model_id', cfg['model'])} {model.get('dtype', '')}, a local Dask cluster of "
              f"{cfg['workers']} worker processes on {m['cpu']} ({m['cores']} cores), every system side by side in "
-             f"one invocation on the same prompts; medians of {cfg['reps']} repetitions (spread in the summary). "
-             "TTFT runs from the workflow's start to the agent's first token, shared prefill included, for every "
-             "system. Cold: all caches empty; warm: the shared context left cached by an earlier workflow. "
+             f"one invocation on the same prompts; medians of {cfg['reps']} repetitions (spread in the summary; "
+             "exp 7: one stream of workflows per rate). TTFT runs from the workflow's start to the agent's first "
+             "token, shared prefill included, for every system. Cold: all caches empty; warm: the shared context "
+             "left cached by an earlier workflow (text replay has no cache: its warm cells repeat its cold run). "
              "Ratios are against the best baseline at each point.", ""]
     lines += _table(head, body)
     mism = [r for r in summary if r.get("invalid")]
