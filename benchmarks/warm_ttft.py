@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     doc["median"]["engine_ttft_mean_s"] = statistics.median(r["engine"]["ttft_mean_s"] for r in doc["runs"])
     out = Path(args.out) if args.out else RESULTS_DIR / f"warm_ttft_{args.model}.json"
     write_json(out, doc)
-    log(f"median: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in doc["median"].items()) + f"\nwrote {out}")
+    log("median: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in doc["median"].items()) + f"\nwrote {out}")
     return 0
 
 
