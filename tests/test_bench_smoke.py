@@ -44,21 +44,22 @@ def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
             assert r["ttft_mean_s"] >= r["shared_prefill_wall_s"], r
         else:
             assert r["shared_prefill_wall_s"] == 0.0, r  # the context was cached before the start
-    assert by_k(runs, 1, "dkv", "cold")["batched_branches"] == 1  # one agent: the unbatched path
+    assert by_k(runs, 1, "dkv", "cold")["batched_branches"] == 1, by_k(runs, 1, "dkv", "cold")  # the unbatched path
     by = {(r["exp"], r["system"], r["phase"]): r for r in runs if r.get("k", 4) == 4}
     for system in ("local", "dkv"):  # 4 agents on 2 workers: some worker decodes >= 2 branches as one batch
-        assert by[("exp2", system, "cold")]["batched_branches"] >= 2, system
+        assert by[("exp2", system, "cold")]["batched_branches"] >= 2, by[("exp2", system, "cold")]
     for system in ("hf", "local", "dkv"):  # warm: the shared context is not prefilled again (unless a plan
         # rebuilds it on an idle worker because that finishes first)
-        assert by[("exp2", system, "warm")]["tokens_prefilled"] <= by[("exp2", system, "cold")]["tokens_prefilled"]
+        warm, cold = by[("exp2", system, "warm")], by[("exp2", system, "cold")]
+        assert warm["tokens_prefilled"] <= cold["tokens_prefilled"], (warm, cold)
     assert by[("exp2", "hf", "warm")]["tokens_prefilled"] < by[("exp2", "hf", "cold")]["tokens_prefilled"]
     assert by[("exp2", "text", "cold")]["tokens_prefilled"] >= by[("exp2", "local", "cold")]["tokens_prefilled"]
-    assert by[("exp2", "dkv", "warm")].get("engine_ttft_mean_s", 0) > 0
+    assert by[("exp2", "dkv", "warm")].get("engine_ttft_mean_s", 0) > 0, by[("exp2", "dkv", "warm")]
     summary = doc["summary"]
     assert all("shared_prefill_wall_s" in r and r["phase"] in ("cold", "warm") for r in summary)
     e3 = doc["exp3"][0]
-    assert e3["kv_bytes"] <= e3["bytes_received"] <= e3["kv_bytes"] + 4096 and e3["recompute_s"] > 0
-    assert e3["model_action"] in ("transfer", "recompute") and e3["runtime_action"] in ("transfer", "recompute")
+    assert e3["kv_bytes"] <= e3["bytes_received"] <= e3["kv_bytes"] + 4096 and e3["recompute_s"] > 0, e3
+    assert e3["model_action"] in ("transfer", "recompute") and e3["runtime_action"] in ("transfer", "recompute"), e3
     for col in ("recompute_s", "model_t_recompute_s", "transfer_s", "model_t_transfer_s", "model_correct",
                 "runtime_correct", "err_transfer", "err_recompute"):
         assert col in e3, col
