@@ -198,3 +198,14 @@ def test_bad_arguments():
         plan_placements(_view(), _match(), [64], 1, "teleport")
     with pytest.raises(ValueError, match="reuse counts"):
         plan_placements(_view(), _match(), [64], 2, "auto")
+
+
+def test_near_equal_finish_keeps_the_branch_where_the_prefix_is_being_made():
+    """B's profile is 5% faster (noise): rebuilding there would not really finish sooner, and
+    it would waste the prefill running on A. Within the tie margin the holder wins."""
+    a_prof, b_prof = PrefillProfile(0.0, 0.0100, 0.0), PrefillProfile(0.0, 0.0095, 0.0)
+    view = _view(bandwidth=1e8, busy={A: 64 * 0.01})
+    view.prefill = {A: a_prof, B: b_prof}
+    [p] = plan_placements(view, _match(cached=False), [64], 1, new_tokens=[8], max_new_tokens=4)
+    assert p.worker == A and p.action == "reuse"
+    assert p.candidates[B] < p.candidates[A]  # B was predicted (slightly) sooner

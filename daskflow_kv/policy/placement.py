@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from .cost_model import Decision, LinkProfile, NeedsCalibration, PrefillProfile, decide
 
 POLICIES = ("auto", "transfer", "recompute", "pin")
+TIE = 0.10  # finish times this close (relative) count as equal: see _pick
 
 
 @dataclass(slots=True)
@@ -239,7 +240,7 @@ def _earliest_finish(view, match, reused, new_tokens, max_new, pool, holder, for
             options[w] = (finish, d)
         if not options:
             raise NeedsCalibration("no destination can be costed: measure link bandwidth and prefill profiles")
-        best = min(order, key=lambda w: (options[w][0], order.index(w)) if w in options else (float("inf"), 0))
+        best = _pick(options, order, dests)
         finish, d = options[best]
         d.branches.append(i)
         d.suffixes.append(s)
@@ -257,6 +258,23 @@ def _earliest_finish(view, match, reused, new_tokens, max_new, pool, holder, for
         rebuild = d.reused if (first and d.decision is not None and d.decision.action == "recompute") else 0
         out.append(Placement(w, r, d.decision, rebuild, first, held_prefix(match, d.reused, w), finishes[w], cands))
     return out
+
+
+def _pick(options: dict, order: list[str], dests: dict) -> str:
+    """The earliest finish; within ``TIE`` of it, a worker that needs no new copy or rebuild
+    of the prefix (the holder, or one this plan already sends it to), then the pool's order.
+
+    Predictions carry noise of this order: without the margin, a rebuild predicted 2% sooner
+    on another worker wastes the prefill already running where the blocks are.
+    """
+    best = min(f for f, _ in options.values())
+    close = [w for w in order if w in options and options[w][0] <= best * (1 + TIE) + 1e-9]
+
+    def fresh_work(w):
+        d = options[w][1]
+        return w not in dests and d.decision is not None and d.decision.action in ("transfer", "recompute")
+
+    return min(close, key=lambda w: (fresh_work(w), options[w][0], order.index(w)))
 
 
 def _open(view, match, reused, w, forced) -> _Dest | None:

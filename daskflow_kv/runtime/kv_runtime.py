@@ -157,29 +157,42 @@ class KVRuntime(PersistentTier, TextCodec):
         persistent store (by that task, in the background); ``source="store"``: they were
         loaded from it.
         """
-        refs = [r for r, _ in kept]
-        futures = [f for _, f in kept]
-        parent = refs[-1].key if refs else None
-        planned = []
-        for s, e in spans:
-            key = block_key(self.key_digest, parent, tokens[s:e])
-            planned.append((BlockRef(key, s, tuple(tokens[s:e]), (e - s) * self.facts.bytes_per_token), parent))
-            parent = key
-        known = self._rpc("kv_acquire", keys=[r.key for r, _ in planned], client=self.client.id) if planned else {}
-        held = self._hold(known)
-        for i, (ref, parent) in enumerate(planned):
-            if ref.key not in held:
-                meta = self._block_meta(ref, parent, sid)
-                if source:
-                    meta["source"] = source
-                if store:
-                    meta["persist"] = True
-                task = make(i) + ((self._write_request(ref.key, ref.start, ref.end),) if store else ())
-                with dask.annotate(kv={"role": "block", "session": self.session.token, "meta": meta}):
-                    held[ref.key] = self._submit_near(worker, *task, key=ref.key)
-            refs.append(ref)
-            futures.append(held[ref.key])
-        return refs, futures
+        return self._publish_many([(make, tokens, kept, spans, sid, worker)], store, source)[0]
+
+    def _publish_many(self, items, store: bool = False, source: str | None = None) -> list[tuple]:
+        """``_publish`` for several states at once: one acquire for all their new blocks.
+
+        ``items``: (make, tokens, kept, spans, state id, worker) per state. Two states with
+        the same continuation share its blocks' keys and get the same futures.
+        """
+        plans = []
+        for make, tokens, kept, spans, sid, worker in items:
+            parent = kept[-1][0].key if kept else None
+            planned = []
+            for s, e in spans:
+                key = block_key(self.key_digest, parent, tokens[s:e])
+                planned.append((BlockRef(key, s, tuple(tokens[s:e]), (e - s) * self.facts.bytes_per_token), parent))
+                parent = key
+            plans.append(planned)
+        keys = list(dict.fromkeys(r.key for planned in plans for r, _ in planned))
+        held = self._hold(self._rpc("kv_acquire", keys=keys, client=self.client.id) if keys else {})
+        out = []
+        for (make, tokens, kept, spans, sid, worker), planned in zip(items, plans):
+            refs, futures = [r for r, _ in kept], [f for _, f in kept]
+            for i, (ref, parent) in enumerate(planned):
+                if ref.key not in held:
+                    meta = self._block_meta(ref, parent, sid)
+                    if source:
+                        meta["source"] = source
+                    if store:
+                        meta["persist"] = True
+                    task = make(i) + ((self._write_request(ref.key, ref.start, ref.end),) if store else ())
+                    with dask.annotate(kv={"role": "block", "session": self.session.token, "meta": meta}):
+                        held[ref.key] = self._submit_near(worker, *task, key=ref.key)
+                refs.append(ref)
+                futures.append(held[ref.key])
+            out.append((refs, futures))
+        return out
 
     def _submit_near(self, worker: str | None, fn, *args, key: str) -> Future:
         """Submit a task that reads a prefill's output where that output is.
@@ -206,13 +219,25 @@ class KVRuntime(PersistentTier, TextCodec):
         }
 
     def _state(self, sid, refs, futures, op, parents: Sequence[DistKVState], worker, **detail) -> DistKVState:
-        event = LineageEvent(op, sid, tuple(p.state_id for p in parents), tuple(sorted(detail.items())))
-        history = tuple(dict.fromkeys(ev for p in parents for ev in p.state.lineage))
-        desc = KVState(sid, self.fingerprint, self.block_size, tuple(refs), history + (event,), self.spec.device, worker)
-        self._register([desc], **detail)
-        return DistKVState(desc, tuple(futures), self)
+        return self._states([(sid, refs, futures, op, parents, worker, detail)])[0]
 
-    def _register(self, descs: Sequence[KVState], **detail) -> None:
+    def _states(self, specs) -> list[DistKVState]:
+        """New states, registered with the plugin in one call. ``specs``: (state id, refs,
+        futures, op, parent states, worker, lineage detail) per state."""
+        descs, details, handles = [], [], []
+        for sid, refs, futures, op, parents, worker, detail in specs:
+            event = LineageEvent(op, sid, tuple(p.state_id for p in parents), tuple(sorted(detail.items())))
+            history = tuple(dict.fromkeys(ev for p in parents for ev in p.state.lineage))
+            desc = KVState(sid, self.fingerprint, self.block_size, tuple(refs), history + (event,), self.spec.device,
+                           worker)
+            descs.append(desc)
+            details.append(detail)
+            handles.append(DistKVState(desc, tuple(futures), self))
+        self._register(descs, details)
+        return handles
+
+    def _register(self, descs: Sequence[KVState], details: Sequence[dict] | None = None) -> None:
+        details = details or [{}] * len(descs)
         metas = [
             {
                 "state_id": d.state_id,
@@ -223,7 +248,7 @@ class KVRuntime(PersistentTier, TextCodec):
                 "worker": d.worker,
                 **{k: v for k, v in detail.items() if k in ("tokens_reused", "tokens_computed")},
             }
-            for d in descs
+            for d, detail in zip(descs, details)
         ]
         self._rpc("kv_register_states", metas=metas)
 
@@ -438,13 +463,17 @@ class KVRuntime(PersistentTier, TextCodec):
             slot = (id(match), p.reused, p.worker, p.action) if batch and p.worker else ("single", i)
             batches.setdefault(slot, []).append(i)
         outputs: list[Future] = [None] * len(plans)  # type: ignore[list-item]
+        wanted: list[tuple[list[int], Future]] = []  # (branches, future of their small results)
         for idxs in batches.values():
             match, p = plans[idxs[0]]
             inputs, reads = self._inputs(match, p, prompts[idxs[0]], replicas, view)
             predicted = self._predict(view, p.worker, p.reused, [len(prompts[i]) - p.reused for i in idxs],
                                       max_new_tokens)
             if len(idxs) == 1:
-                outputs[idxs[0]] = self._prefill_task(reqs[idxs[0]], inputs, p.worker, reads, p, predicted)
+                [i] = idxs
+                outputs[i] = self._prefill_task(reqs[i], inputs, p.worker, reads, p, predicted)
+                wanted.append((idxs, self._submit_near(p.worker, tasks.take_result, outputs[i],
+                                                       key=_task_key("kvresult", sids[i]))))
                 continue
             first = next((plans[i][1] for i in idxs if plans[i][1].first), p)  # carries the destination's decision
             breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{sids[idxs[0]]}")
@@ -452,22 +481,33 @@ class KVRuntime(PersistentTier, TextCodec):
             for j, i in enumerate(idxs):
                 outputs[i] = self._submit_near(p.worker, tasks.take_branch, out, j,
                                                key=_task_key("kvprefill-branch", sids[i]))
+            # One small-results task per batch, not one per branch (each is a scheduler round trip).
+            wanted.append((idxs, self._submit_near(p.worker, tasks.take_batch_results, out,
+                                                   key=_task_key("kvresult-batch", sids[idxs[0]]))))
             del out  # the branch outputs hold the batch now; Dask frees it once they are computed
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
-        results = self.client.gather([
-            self._submit_near(p.worker, tasks.take_result, out, key=_task_key("kvresult", sid))
-            for out, (_, p), sid in zip(outputs, plans, sids)
-        ])
+        results: list = [None] * len(plans)
+        for (idxs, _), got in zip(wanted, self.client.gather([f for _, f in wanted])):
+            for i, res in zip(idxs, got if isinstance(got, list) else [got]):
+                results[i] = res
 
-        gens = []
-        for (state, _), prompt, out, res, (match, p), sid in zip(requests, prompts, outputs, results, plans, sids):
+        # Every continuation's blocks in one acquire, every state in one register: per-branch
+        # calls cost two scheduler round trips each (a third of a k=16 resume's wall, measured).
+        items = []
+        for prompt, out, res, (match, p), sid in zip(prompts, outputs, results, plans, sids):
             fed = prompt + res.generated[:-1]  # the last sampled token was never fed
             floor = aligned_floor(p.reused, self.block_size)
-            refs, futures = self._publish(lambda j, out=out: (tasks.take_block, out, j), fed, match.kept(floor),
-                                          split_spans(floor, len(fed), self.block_size), sid, res.worker,
-                                          store=self._writes("resume"))
-            cont = self._state(sid, refs, futures, "resume", (state,), res.worker, placement=p.action,
-                               tokens_reused=p.reused, tokens_computed=len(prompt) - p.reused)
+            items.append((lambda j, out=out: (tasks.take_block, out, j), fed, match.kept(floor),
+                          split_spans(floor, len(fed), self.block_size), sid, res.worker))
+        published = self._publish_many(items, store=self._writes("resume"))
+        conts = self._states([
+            (sid, refs, futures, "resume", (state,), res.worker,
+             {"placement": p.action, "tokens_reused": p.reused, "tokens_computed": len(prompt) - p.reused})
+            for (state, _), prompt, res, (_, p), sid, (refs, futures)
+            in zip(requests, prompts, results, plans, sids, published)
+        ])
+        gens = []
+        for res, (_, p), cont in zip(results, plans, conts):
             # The prefix rebuilt on a "recompute" destination is charged to its first branch.
             metrics = {**res.metrics, "tokens_recomputed": p.recompute_tokens}
             gens.append(DistGeneration(res.generated, self.decode(res.generated), metrics, res.worker, p, cont,

@@ -277,6 +277,11 @@ def take_result(output: PrefillOutput) -> GenerationResult:
     return GenerationResult(list(output.generated), dict(output.metrics), output.worker, output.logits)
 
 
+def take_batch_results(output: BatchPrefillOutput) -> list[GenerationResult]:
+    """Every branch's small result of a batch, in one task (its tensors stay on the worker)."""
+    return [take_result(o) for o in output.outputs]
+
+
 def cut_block(block: torch.Tensor, tokens: int, store: WriteRequest | None = None) -> torch.Tensor:
     """The first ``tokens`` tokens of a block (a cached prefix that ends mid-block)."""
     return persist(block[:, :, :, :tokens].contiguous(), store)
