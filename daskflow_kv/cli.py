@@ -199,7 +199,7 @@ def cmd_run(args, workflow: str) -> int:
         compile_ = lambda: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
         result = None
         if args.mode in ("state", "both"):
-            result = run_state_mode(compile_(), rt, progress=steps.level)
+            result = run_state_mode(compile_(), rt, progress=steps.level, parallel=args.parallel_materialize)
             steps.end()
         if args.mode in ("text", "both"):
             text = run_text_mode(compile_(), rt, progress=steps.level)
@@ -271,6 +271,9 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", default=None, help="per-worker KV byte budget, e.g. 512MiB")
     p.add_argument("--json", default=None, help="write per-agent metrics and agreement here")
     p.add_argument("--explain", action="store_true", help="print G_s and the cost model's decisions")
+    p.add_argument("--parallel-materialize", default=None, metavar="auto|W",
+                   help="workers a cold shared context is prefilled over: auto (the planner, 1 unless more is "
+                        "faster), 1, or W (default: setting daskflow-kv.parallel.materialize)")
 
 
 def _resolve_config(args) -> None:
@@ -316,6 +319,8 @@ def _resolve_config(args) -> None:
     else:
         args.workers = v.setting("cluster.workers", args.workers, "--workers", v.integer, minimum=1)
     args.kv_budget = v.setting("kv-budget", args.kv_budget, "--kv-budget", v.optional, v.byte_size, minimum=0)
+    args.parallel_materialize = v.setting("parallel.materialize", args.parallel_materialize, "--parallel-materialize",
+                                          v.parallelism)
     if args.json is not None:
         args.json = v.writable_file("--json", args.json)
 

@@ -3,6 +3,7 @@
     daskflow-kv bench --quick                 # tiny-llama, a few minutes on 2 cores (CI smoke)
     daskflow-kv bench --profile full          # SmolLM2-135M, all five experiments
     daskflow-kv bench --profile full --experiments 3 --netem-rates 1000 100   # one experiment
+    daskflow-kv bench --profile full --experiments 6   # parallel materialize: W=1 vs 2, cold exp1 with it
 
 Writes under ``--out`` (default benchmarks/results/): bench_<tag>.json (everything, with the
 machine and the exact command), bench_<tag>_runs.csv (one row per run), bench_<tag>_summary.csv
@@ -27,16 +28,19 @@ PROFILES = {
     # CI smoke test: seconds of compute, checks the whole pipeline end to end
     "smoke": {"model": "tiny-llama", "contexts": [128, 256], "agents": 2, "exp2_context": 128, "ks": [1, 2],
               "reps": 1, "max_new_tokens": 4, "exp3_contexts": [128, 512], "netem_rates": [], "netem_contexts": [],
-              "systems": ["text", "hf", "local", "dkv"], "probe_mib": 4, "warmup": False},
+              "systems": ["text", "hf", "local", "dkv"], "probe_mib": 4, "warmup": False,
+              "parallel_contexts": [128, 256], "parallel_exp1_contexts": [256]},
     # a few minutes on 2 cores: tiny-llama, every experiment at small sizes
     "quick": {"model": "tiny-llama", "contexts": [256, 512, 1024, 1900], "agents": 4, "exp2_context": 512,
               "ks": [1, 2, 4, 8, 16], "reps": 1, "max_new_tokens": 8, "exp3_contexts": [256, 1024, 1900],
-              "netem_rates": [50, 2], "netem_contexts": [256, 1900], "systems": ["text", "hf", "local", "dkv"]},
+              "netem_rates": [50, 2], "netem_contexts": [256, 1900], "systems": ["text", "hf", "local", "dkv"],
+              "parallel_contexts": [256, 1024, 1900], "parallel_exp1_contexts": [1024, 1900]},
     # the real measurement: SmolLM2-135M (46,080 KV bytes per token in fp32); ~40 min on 2 quiet cores
     "full": {"model": "smollm2", "contexts": [512, 1024, 2048, 4096, 8192], "agents": 4, "exp2_context": 2048,
              "ks": [1, 2, 4, 8, 16], "reps": 2, "max_new_tokens": 16, "exp3_contexts": [512, 1024, 2048, 4096],
              "netem_rates": [2000, 500, 150, 50], "netem_contexts": [512, 1024, 2048],
-             "systems": ["text", "hf", "local", "dkv"]},
+             "systems": ["text", "hf", "local", "dkv"],
+             "parallel_contexts": [1024, 2048, 4096, 8192], "parallel_exp1_contexts": [4096, 8192]},
 }
 MODELED_BANDWIDTHS_GBPS = [100, 25, 10, 3, 1, 0.3, 0.1, 0.03, 0.01]
 # systems.SYSTEMS + systems.OPTIONAL_SYSTEMS (tests check), here so flags are checked without torch
@@ -50,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick", help="same as --profile quick")
     ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path (profile default)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--experiments", default="1,2,3,4,5", help="comma list of 1-5 (4 and 5 come from 2's runs)")
+    ap.add_argument("--experiments", default="1,2,3,4,5",
+                    help="comma list of 1-6 (4 and 5 come from 2's runs; 6: parallel materialize)")
     ap.add_argument("--systems", help="comma list of text,hf,local,dkv,dkv-transfer,dkv-recompute")
     ap.add_argument("--contexts", type=int, nargs="+", help="exp1 context lengths (prompt tokens)")
     ap.add_argument("--agents", type=int, help="exp1 agents")
@@ -62,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--netem-rates", type=float, nargs="*", help="Mbit/s for the throttled exp3 (needs root)")
     ap.add_argument("--netem-contexts", type=int, nargs="*")
     ap.add_argument("--no-netem", action="store_true", help="skip real throttling (exp3 MODELED rows stay)")
+    ap.add_argument("--parallel-contexts", type=int, nargs="+", help="exp6 materialize context lengths")
+    ap.add_argument("--parallel-widths", type=int, nargs="+", default=[1, 2], help="exp6 worker counts W")
+    ap.add_argument("--parallel-exp1-contexts", type=int, nargs="+", help="exp6 cold exp1 context lengths")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--memory-limit", default="8GiB", help="per worker")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -75,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "netem_rates", "netem_contexts"):
+                "netem_rates", "netem_contexts", "parallel_contexts", "parallel_exp1_contexts"):
         v = getattr(args, key)
         if v is not None:
             cfg[key] = v
@@ -86,6 +94,7 @@ def resolve(args) -> dict:
     cfg["experiments"] = [x.strip() for x in args.experiments.split(",") if x.strip()]
     cfg["dtype"] = args.dtype
     cfg["workers"] = args.workers
+    cfg["parallel_widths"] = args.parallel_widths
     cfg["profile"] = args.profile
     return check(cfg)
 
@@ -100,11 +109,11 @@ def check(cfg: dict) -> dict:
     cfg["dtype"] = v.dtype("--dtype", cfg["dtype"])
     exps = set()
     for x in cfg["experiments"]:
-        if not x.isdigit() or not 1 <= int(x) <= 5:
-            raise InvalidInputError(f"--experiments must be a comma list of 1-5, got {x!r}")
+        if not x.isdigit() or not 1 <= int(x) <= 6:
+            raise InvalidInputError(f"--experiments must be a comma list of 1-6, got {x!r}")
         exps.add(int(x))
     if not exps:
-        raise InvalidInputError("--experiments must name at least one of 1-5")
+        raise InvalidInputError("--experiments must name at least one of 1-6")
     cfg["experiments"] = sorted(exps)
     if not cfg["systems"]:
         raise InvalidInputError(f"--systems must name at least one of {', '.join(ALL_SYSTEMS)}")
@@ -116,12 +125,17 @@ def check(cfg: dict) -> dict:
     cfg["max_new_tokens"] = v.max_new_tokens("--max-new-tokens", cfg["max_new_tokens"])
     cfg["workers"] = v.integer("--workers", cfg["workers"], minimum=1)
     for key, flag in (("contexts", "--contexts"), ("exp3_contexts", "--exp3-contexts"),
-                      ("netem_contexts", "--netem-contexts")):
-        cfg[key] = [v.integer(flag, c, minimum=1) for c in cfg[key]]
+                      ("netem_contexts", "--netem-contexts"), ("parallel_contexts", "--parallel-contexts"),
+                      ("parallel_exp1_contexts", "--parallel-exp1-contexts")):
+        cfg[key] = [v.integer(flag, c, minimum=1) for c in cfg.get(key, [])]
+    cfg["parallel_widths"] = [v.integer("--parallel-widths", w, minimum=1) for w in cfg.get("parallel_widths", [1, 2])]
     cfg["ks"] = [v.integer("--ks", k, minimum=1, maximum=most) for k in cfg["ks"]]
     cfg["netem_rates"] = [v.number("--netem-rates", r, above=0) for r in cfg["netem_rates"]]
     if 3 in exps and cfg["workers"] < 2:
         raise InvalidInputError("experiment 3 moves KV between two workers: --workers must be >= 2 with it")
+    if 6 in exps and max(cfg["parallel_widths"]) > cfg["workers"]:
+        raise InvalidInputError(f"--parallel-widths asks for {max(cfg['parallel_widths'])} workers; --workers is "
+                                f"{cfg['workers']}")
     return cfg
 
 
@@ -180,6 +194,9 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
     finally:
         doc["total_s"] = time.time() - t_start
         files = write_all(doc, out_dir, tag, plots=plots, summary_path=summary_path)
+        from .exp_parallel import write as write_parallel
+
+        files += write_parallel(doc, out_dir, tag, summary_path or out_dir / f"SUMMARY_{tag}.md")
         doc["files"] = [str(f) for f in files]
         log("wrote:\n  " + "\n  ".join(str(f) for f in files))
     return doc
@@ -211,6 +228,9 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     contexts = sorted({min(c, limit) for c in cfg["contexts"]})
     n_runs = len(systems) * cfg["reps"] * ((len(contexts) if 1 in exps else 0)
                                            + (len(cfg["ks"]) if {2, 4, 5} & set(exps) else 0))
+    if 6 in exps:
+        n_runs += cfg["reps"] * (len(cfg["parallel_contexts"]) * len(cfg["parallel_widths"])
+                                 + 5 * len(cfg["parallel_exp1_contexts"]))
     bar = Progress(n_runs + (len(cfg["exp3_contexts"]) if 3 in exps else 0), "bench", progress)
     partial = out_dir / f"bench_{tag}.json"
     try:
@@ -226,6 +246,11 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
             e3 = sorted({min(c, max_pos - 16) for c in cfg["exp3_contexts"]})
             doc["exp3"] = E.exp3_loopback(rt, e3, workers, 1, bar, probe_bytes=cfg.get("probe_mib", 32) << 20)
             doc["exp3_modeled"] = E.modeled_sweep(rt, e3, MODELED_BANDWIDTHS_GBPS, workers[1])
+            write_json(partial, doc)
+        if 6 in exps:
+            from .exp_parallel import run as run_parallel
+
+            doc["parallel"] = run_parallel(rt, cfg, workers, bar)
             write_json(partial, doc)
     finally:
         bar.close()
