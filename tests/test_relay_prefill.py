@@ -111,3 +111,36 @@ def test_a_chunk_waits_for_the_earlier_chunk_before_attending():
     ctx = engine.encode(CONTEXT)
     with pytest.raises(ValueError, match="received K/V of 0 tokens"):
         runner.prefill_relayed([], 0, 32, ctx[32:], lambda layer: [], None)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_split_attention_is_masked_attention(heads, kv_heads):
+    """Earlier keys unmasked + own keys causal, merged by log-sum-exp = one causal call over all."""
+    import torch.nn.functional as F
+
+    from daskflow_kv.model import relay_attention
+
+    if relay_attention._FLASH is None:
+        pytest.skip("this torch has no CPU flash kernel returning log-sum-exp")
+    torch.manual_seed(0)
+    past, q, d = 70, 33, 16
+    query = torch.randn(1, heads, q, d)
+    key, value = torch.randn(1, kv_heads, past + q, d), torch.randn(1, kv_heads, past + q, d)
+    g = heads // kv_heads
+    k_all, v_all = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    mask = torch.ones(q, past + q, dtype=torch.bool).tril(diagonal=past)
+    want = F.scaled_dot_product_attention(query, k_all, v_all, attn_mask=mask)
+    got = relay_attention.split_attention(query, key, value, d**-0.5)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_relay_twin_shares_the_weights_and_keeps_other_dtypes():
+    from daskflow_kv.model.relay_attention import RELAY_ATTENTION, relay_twin
+
+    fp32 = make_engine("tiny-llama", "float32", block_size=16).runner.model
+    twin = relay_twin(fp32)
+    assert twin is relay_twin(fp32) and twin.config._attn_implementation == RELAY_ATTENTION
+    assert fp32.config._attn_implementation == "sdpa"  # the loaded model is untouched
+    assert all(a is b for a, b in zip(twin.parameters(), fp32.parameters()))
+    bf16 = make_engine("tiny-llama", "bfloat16", block_size=16).runner.model
+    assert relay_twin(bf16) is bf16  # the exact kernel stays: its rounding is what matches text mode

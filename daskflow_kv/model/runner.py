@@ -18,6 +18,7 @@ from .. import config
 from ..state.blocks import aligned_floor, split_spans
 from .cache_layer import growable_cache
 from . import relay_cache
+from .relay_attention import relay_twin
 from ..state.fingerprint import Fingerprint, fingerprint_model
 from .sampling import GREEDY, SamplingParams, choose
 
@@ -111,9 +112,9 @@ class ModelRunner:
                 layer.crop(-extra)
 
     # -- forward --------------------------------------------------------------------------
-    def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, cache, tokens: list[int], model=None) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = (model or self.model)(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
@@ -190,7 +191,7 @@ class ModelRunner:
         self._start(cache, prefix_blocks, prefix_len)
         relay_cache.arm(cache, start - prefix_len, recv, send)
         t1 = time.perf_counter()
-        self._forward(cache, list(new_tokens))
+        self._forward(cache, list(new_tokens), relay_twin(self.model))
         t2 = time.perf_counter()
         blocks = self._export(cache, aligned_floor(start, self.block_size), start + len(new_tokens))
         m.load_s, m.prefill_s, m.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
