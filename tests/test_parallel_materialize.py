@@ -238,3 +238,16 @@ def test_a_budget_admits_the_chunks_together(client, workers):
         assert not _chunk_events(client, st.state_id)  # neither chunk ran
     finally:
         rt.configure(unset_budget=True)
+
+
+def test_workflow_state_mode_prefills_cold_shared_contexts_in_parallel(client, workers):
+    """The executor (and the CLI's --parallel-materialize) pass the width to each group's
+    materialize: a cold shared context is split, and every agent still gets text mode's tokens."""
+    from daskflow_kv.flow.executor import run_workflow
+    from daskflow_kv.workflows import WORKFLOWS
+
+    rt = KVRuntime(client, "tiny-llama", block_size=16)
+    wf = WORKFLOWS["rag"](tokenizer=rt.tokenizer, context_tokens=300, max_new_tokens=6, agents=3)
+    cmp = run_workflow(wf, mode="both", runtime=rt, parallel=2)
+    assert cmp.all_agree
+    assert any(ev.get("parallel") == 2 for events in cmp.state.lineage.values() for ev in events)
