@@ -47,6 +47,7 @@ def _until(pred, timeout=60.0, what=""):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_workers_make_the_single_prefill_blocks_and_resume_exactly(client, workers, arch, dtype):
     rt = KVRuntime(client, arch, dtype=dtype, block_size=16)
+    rt.bandwidth_override, rt.prefill_override = 2e9, PrefillProfile(1e-3, 1e-5, 1e-7)  # chunk 0 the longer
     engine = make_engine(arch, dtype, block_size=16)
     ctx = _ctx(rt, f"exact-{arch}-{dtype}")
     st = rt.materialize(ctx, parallel=2)
@@ -68,7 +69,8 @@ def test_two_workers_make_the_single_prefill_blocks_and_resume_exactly(client, w
         assert torch.allclose(got.float(), engine.store.get(ref.key).float(), rtol=tol, atol=1e-3)
     # the chunk tasks really cooperated, and reported compute time without their waits
     events = _chunk_events(client, st.state_id)
-    assert sorted(e["chunk"] for e in events) == [0, 1] and all(e["relayed"] for e in events)
+    assert sorted(e["chunk"] for e in events) == [0, 1]
+    assert all(e["relayed"] for e in events), [(e["alone_because"], e["handoff_failures"]) for e in events]
 
     suffixes = [rt.encode(s) for s in SUFFIXES]
     gens = rt.resume_many(list(zip(rt.fork(st, len(suffixes)), suffixes)), max_new_tokens=NEW, return_logits=True)

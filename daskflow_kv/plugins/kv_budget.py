@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError
@@ -46,6 +47,16 @@ class Held:
     worker: str | None = None  # where it was admitted
     gang: str | None = None  # tasks that must start together (a parallel prefill's chunks)
     gang_size: int = 1  # how many tasks the gang has
+
+
+class Verdict(NamedTuple):
+    """What admission decided for one parked task."""
+
+    action: str  # admit | wait | fail
+    victims: tuple  # blocks to evict first (admit)
+    reason: str  # why it waits or fails
+    worker: str  # where it would run
+    need: int  # KV bytes it adds there
 
 
 class KVBudget:
@@ -166,24 +177,24 @@ class KVBudget:
         waited = now - min(h.since for _, _, h in members)
         if len(members) < members[0][2].gang_size and waited < self.admission_patience:
             return  # the rest still wait for their inputs; a member that never comes stops blocking later
-        decisions, extra = [], {}
+        verdicts, promised = [], {}
         for key, ts, held in members:
-            d = self._decide(ts, held, now, extra)
-            if d is None:
+            v = self._decide(ts, held, now, promised)
+            if v is None:
                 return
-            decisions.append(d)
-            extra[d[3]] = extra.get(d[3], 0) + d[4]
-        actions = {d[0] for d in decisions}
+            verdicts.append(v)
+            promised[v.worker] = promised.get(v.worker, 0) + v.need
+        actions = {v.action for v in verdicts}
         if actions == {ADMIT}:
-            for (key, ts, held), d in zip(members, decisions):
-                self._apply(key, ts, held, d, stimulus)
-        elif FAIL in actions:
-            reason = next(d[2] for d in decisions if d[0] == FAIL)
-            for (key, ts, held), d in zip(members, decisions):
-                self._apply(key, ts, held, (FAIL, (), reason, d[3], d[4]), stimulus)
+            for (key, ts, held), v in zip(members, verdicts):
+                self._apply(key, ts, held, v, stimulus)
+        elif FAIL in actions:  # one never fits: the gang fails as one, none holds a thread waiting
+            reason = next(v.reason for v in verdicts if v.action == FAIL)
+            for (key, ts, held), v in zip(members, verdicts):
+                self._apply(key, ts, held, v._replace(action=FAIL, victims=(), reason=reason), stimulus)
 
-    def _decide(self, ts, held: Held, now: float, promised: dict | None = None) -> tuple | None:
-        """(action, victims, reason, worker, bytes needed) for one parked task; None: no worker.
+    def _decide(self, ts, held: Held, now: float, promised: dict | None = None) -> Verdict | None:
+        """The verdict for one parked task; None when no worker can take it.
 
         ``promised``: worker -> bytes this pass already gave the task's gang there.
         """
@@ -191,17 +202,18 @@ class KVBudget:
         if worker is None:
             return None
         if self.kv_budget_bytes is None:  # the budget was lifted meanwhile
-            return ADMIT, (), "", worker, 0
+            return Verdict(ADMIT, (), "", worker, 0)
         ws = self.scheduler.workers[worker]
         need = held.out_bytes + self._incoming(ts, worker)
         used, usage = self._usage(ws, now)
         busy = any(k in self._held and self._held[k].worker == worker for k in (t.key for t in ws.processing))
-        d = admit(need, used, self._reserved.get(worker, 0) + (promised or {}).get(worker, 0), self.kv_budget_bytes, usage, now, busy,
-                  now - held.since, self.admission_patience, worker)
-        return d.action, d.victims, d.reason, worker, need
+        reserved = self._reserved.get(worker, 0) + (promised or {}).get(worker, 0)
+        d = admit(need, used, reserved, self.kv_budget_bytes, usage, now, busy, now - held.since,
+                  self.admission_patience, worker)
+        return Verdict(d.action, d.victims, d.reason, worker, need)
 
-    def _apply(self, key, ts, held: Held, decision: tuple, stimulus: str) -> None:
-        action, victims, reason, worker, need = decision
+    def _apply(self, key, ts, held: Held, verdict: Verdict, stimulus: str) -> None:
+        action, victims, reason, worker, need = verdict
         if action == ADMIT:
             self._evict(worker, victims, stimulus)
             held.worker, held.reserved = worker, need

@@ -77,7 +77,6 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
             MAILBOX.finish(req.group, req.index, FAILED)
             raise
         else:
-            channel.flush()
             MAILBOX.finish(req.group, req.index, DONE)
     relayed = out is not None
     if not relayed:
@@ -91,6 +90,7 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
         "chunk": req.index,
         "chunks": len(req.spans),
         "relayed": relayed,
+        "alone_because": None if relayed else why,
         # what this task computed, and the compute time of it (the profile's sample)
         "new_tokens": m.tokens_computed,
         "prefix_tokens": start if relayed else req.reused,
@@ -100,6 +100,7 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
         "load_seconds": m.load_s,
         "task_seconds": time.perf_counter() - t0,
         "handoff_bytes_sent": channel.bytes_sent if channel else 0,
+        "handoff_failures": channel.failures[:3] if channel else [],
         "handoff_layers_received": len(channel.transit) if channel else 0,
         "handoff_transit_s": sum(channel.transit) / len(channel.transit) if channel and channel.transit else 0.0,
     })

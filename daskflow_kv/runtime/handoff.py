@@ -7,15 +7,17 @@ the task computes on - and takes the earlier chunks' K/V from its worker's ``Mai
 Only in-flight K/V travels here; the blocks a chunk produces are task results Dask owns.
 
 A task never waits blindly: while it lacks a layer it asks the peer's worker how that
-chunk is doing (``kv_handoff_status``). A worker that does not answer is gone, and a peer
-that finished, gave up or never started within ``start_timeout`` will not send what is
-missing: the caller gets ``PeerLost`` and prefills alone (see ``chunk_task``).
+chunk is doing (``kv_handoff_status``). A worker whose port refuses connections is gone;
+a peer that gave up, never started within ``start_timeout``, stalled for ``stall_timeout``
+or finished ``send_timeout`` ago will not send what is missing: the caller gets
+``PeerLost`` and prefills alone (see ``chunk_task``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +31,7 @@ from .. import dask_internals as di
 logger = logging.getLogger("daskflow_kv.handoff")
 
 RUNNING, DONE, ALONE, FAILED, UNKNOWN = "running", "done", "alone", "failed", "unknown"
+SLOW = "slow"  # the peer's worker is up but did not answer in time (seen by the asking side only)
 _REMEMBERED = 4096  # chunk states and closed groups a worker keeps answering about
 _ORPHAN_S = 900.0  # K/V parked this long for a task that never came is dropped
 
@@ -42,7 +45,7 @@ class Patience:
     start_timeout: float  # s a peer's task may take to start (it may queue behind another)
     stall_timeout: float  # s a running peer may go without sending the next layer
     probe_interval: float  # s between status checks while waiting
-    send_timeout: float = 5.0  # s a hand-off may take; a reader that does not take it copes alone
+    send_timeout: float = 30.0  # s a hand-off may take; a reader that does not get it copes alone
 
 
 class Mailbox:
@@ -150,62 +153,80 @@ class Channel:
         self.index = index  # this task's chunk
         self.peers = peers  # the worker address of every chunk
         self.patience = patience
-        self.sent: list = []  # concurrent futures of the RPCs in flight
         self.bytes_sent = 0  # K/V bytes handed to later chunks
         self.transit: list[float] = []  # s each received layer spent between its sender and here
+        self.failures: list[str] = []  # hand-offs a later chunk did not take (why), for the task's report
         self._began = time.monotonic()
 
-    def _call(self, address: str, op: str, **kwargs):
+    def _call(self, address: str, op: str, timeout: float, **kwargs):
         # bounded: Dask retries a refused connection for its whole connect timeout (30 s)
-        coro = asyncio.wait_for(di.call_worker(self.worker, address, op, **kwargs), self.patience.send_timeout)
+        coro = asyncio.wait_for(di.call_worker(self.worker, address, op, **kwargs), timeout)
         return asyncio.run_coroutine_threadsafe(coro, di.worker_loop(self.worker))
 
     def send(self, layer: int, k, v) -> None:
-        """This chunk's layer to every later chunk's worker; returns at once."""
+        """This chunk's layer to every later chunk's worker; returns at once (delivery goes on
+        in the worker's event loop; a reader that does not take it copes alone)."""
         later = self.peers[self.index + 1:]
         if not later:
             return
         k, v = k.contiguous(), v.contiguous()  # attention may hand over views; they are not changed after
         for address in dict.fromkeys(later):
-            self.sent.append(self._call(address, "kv_handoff", group=self.group, chunk=self.index, layer=layer,
-                                        k=to_serialize(k), v=to_serialize(v), sent=time.time()))
+            fut = self._call(address, "kv_handoff", self.patience.send_timeout, group=self.group, chunk=self.index,
+                             layer=layer, k=to_serialize(k), v=to_serialize(v), sent=time.time())
+            fut.add_done_callback(self._delivered)
         self.bytes_sent += len(later) * (k.nbytes + v.nbytes)
+
+    def _delivered(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            exc = fut.exception()
+            self.failures.append(f"{type(exc).__name__}: {exc}")
+            logger.info("K/V hand-off of %s to a later chunk failed: %s", self.group, exc)
 
     def recv(self, layer: int) -> list:
         return [self._take(layer, j) for j in range(self.index)]
 
     def _take(self, layer: int, j: int):
         p = self.patience
-        quiet_since = time.monotonic()
+        quiet_since, done_since = time.monotonic(), None
         while True:
             part = MAILBOX.take(self.group, layer, j, p.probe_interval)
             if part is not None:
                 self.transit.append(part[2])  # wall clocks of two workers: a diagnostic, not a timer
                 return part[:2]
             state = self._peer_state(j)
-            waited = time.monotonic() - quiet_since
-            if state in (DONE, ALONE, FAILED):
-                raise PeerLost(f"chunk {j} on {self.peers[j]} is {state} but layer {layer} never came")
-            if state == UNKNOWN and time.monotonic() - self._began > p.start_timeout:
+            now = time.monotonic()
+            if state == DONE:  # its last layers may still be on their way here
+                done_since = done_since or now
+                if now - done_since > p.send_timeout:
+                    raise PeerLost(f"chunk {j} on {self.peers[j]} is done but layer {layer} never came")
+            elif state in (ALONE, FAILED):
+                raise PeerLost(f"chunk {j} on {self.peers[j]} is {state}: it sends nothing more")
+            elif state == UNKNOWN and now - self._began > p.start_timeout:
                 raise PeerLost(f"chunk {j} did not start on {self.peers[j]} within {p.start_timeout:.0f}s")
-            if state == RUNNING and waited > p.stall_timeout:
-                raise PeerLost(f"chunk {j} on {self.peers[j]} sent no layer {layer} for {waited:.0f}s")
+            elif state in (RUNNING, SLOW) and now - quiet_since > p.stall_timeout:
+                raise PeerLost(f"chunk {j} on {self.peers[j]} sent no layer {layer} for {now - quiet_since:.0f}s")
 
     def _peer_state(self, j: int) -> str:
+        """The peer chunk's state as its worker says; SLOW if the worker is up but does not say."""
+        address = self.peers[j]
         try:
-            return self._call(self.peers[j], "kv_handoff_status", group=self.group,
-                              chunk=j).result(timeout=self.patience.send_timeout + 1.0)
-        except Exception as exc:  # refused, reset, timed out: the worker is gone
-            raise PeerLost(f"chunk {j}'s worker {self.peers[j]} does not answer ({type(exc).__name__})") from None
+            return self._call(address, "kv_handoff_status", self.patience.probe_interval * 4 + 1.0, group=self.group,
+                              chunk=j).result()
+        except Exception as exc:  # noqa: BLE001 -- refused, reset or timed out
+            if listening(address) is False:
+                raise PeerLost(f"chunk {j}'s worker {address} is gone ({type(exc).__name__})") from None
+            return SLOW  # a busy event loop (a model loading, a loaded machine): count it as a stall
 
-    def flush(self) -> int:
-        """Wait for the sends to be delivered; -> how many failed (their readers cope alone)."""
-        failed = 0
-        for fut in self.sent:
-            try:
-                fut.result(timeout=self.patience.send_timeout + 1.0)
-            except Exception as exc:  # noqa: BLE001 -- a dead reader: it is recomputed without us
-                failed += 1
-                logger.info("K/V hand-off of %s to a later chunk failed: %s", self.group, exc)
-        self.sent.clear()
-        return failed
+
+def listening(address: str) -> bool | None:
+    """Whether anything accepts TCP connections at a tcp:// or tls:// worker address (None: other
+    protocols). The kernel accepts for a live process however busy; a dead one's port refuses."""
+    scheme, _, rest = address.partition("://")
+    if scheme not in ("tcp", "tls"):
+        return None
+    host, _, port = rest.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+        return True
+    except (OSError, ValueError):
+        return False
