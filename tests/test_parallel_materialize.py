@@ -253,3 +253,18 @@ def test_workflow_state_mode_prefills_cold_shared_contexts_in_parallel(client, w
     cmp = run_workflow(wf, mode="both", runtime=rt, parallel=2)
     assert cmp.all_agree
     assert any(ev.get("parallel") == 2 for events in cmp.state.lineage.values() for ev in events)
+
+
+def test_a_dead_peer_is_told_from_a_slow_one_by_its_port(workers):
+    """The channel's liveness test: a live worker's port accepts (however busy it is), a dead one refuses."""
+    import socket
+
+    from daskflow_kv.runtime.handoff import listening
+
+    assert listening(workers[0]) is True
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    assert listening(f"tcp://127.0.0.1:{port}") is False
+    assert listening("ucx://10.0.0.1:1234") is None  # other protocols: not judged
