@@ -210,7 +210,7 @@ def cmd_run(args, workflow: str) -> int:
         compile_ = lambda: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
         result = None
         if args.mode in ("state", "both"):
-            result = run_state_mode(compile_(), rt, progress=steps.level)
+            result = run_state_mode(compile_(), rt, progress=steps.level, parallel=args.parallel_materialize)
             steps.end()
         if args.mode in ("text", "both"):
             text = run_text_mode(compile_(), rt, progress=steps.level)
@@ -290,6 +290,9 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca-file", default=None, help="CA certificate (TLS; with --scheduler tls://...)")
     p.add_argument("--tls-cert", default=None, help="this client's certificate (and the local cluster's)")
     p.add_argument("--tls-key", default=None, help="the private key of --tls-cert")
+    p.add_argument("--parallel-materialize", default=None, metavar="auto|W",
+                   help="workers a cold shared context is prefilled over: auto (the planner, 1 unless more is "
+                        "faster), 1, or W (default: setting daskflow-kv.parallel.materialize)")
 
 
 def _resolve_config(args) -> None:
@@ -352,6 +355,8 @@ def _resolve_config(args) -> None:
         args.workers = v.setting("cluster.workers", args.workers, "--workers", v.integer, minimum=1)
     args.kv_budget = v.setting("kv-budget", args.kv_budget, "--kv-budget", v.optional, v.byte_size, minimum=0)
     args.kv_store = v.setting("store.url", args.kv_store, "--kv-store", v.optional, v.store_url)
+    args.parallel_materialize = v.setting("parallel.materialize", args.parallel_materialize, "--parallel-materialize",
+                                          v.parallelism)
     if args.json is not None:
         args.json = v.writable_file("--json", args.json)
     if args.namespace is not None and not isinstance(args.namespace, str):

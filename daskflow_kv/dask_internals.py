@@ -143,6 +143,24 @@ def clear_incoming_transfers(worker) -> None:
     worker.transfer_incoming_log.clear()
 
 
+def add_worker_handlers(worker, handlers: Mapping) -> None:
+    """RPC handlers another worker reaches with ``call_worker`` (a task-to-task channel).
+
+    ``Worker.handlers`` is read per message, so handlers added after start are served.
+    """
+    worker.handlers.update(handlers)
+
+
+async def call_worker(worker, address: str, op: str, **kwargs):
+    """One RPC from ``worker`` to ``address``'s handler ``op``, over the worker's pooled comms."""
+    return await getattr(worker.rpc(address), op)(**kwargs)
+
+
+def worker_loop(worker):
+    """The asyncio loop of a worker's server, where its comms live (tasks run in other threads)."""
+    return worker.loop.asyncio_loop
+
+
 def in_memory(worker):
     """The worker's results that are in memory now (not spilled): a key -> value mapping.
 

@@ -150,6 +150,17 @@ def block_size(name: str, value) -> int:
     return integer(name, value, minimum=1)
 
 
+def parallelism(name: str, value) -> str | int:
+    """Workers one prefill is split over: ``"auto"`` (the planner chooses) or an integer >= 1."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(name, '"auto" or an integer >= 1', value)
+    return value
+
+
 def max_new_tokens(name: str, value) -> int:
     """Tokens to generate: an integer >= 1 (use extend to prefill without generating)."""
     return integer(name, value, minimum=1)

@@ -158,6 +158,30 @@ def test_call_scheduler_reaches_a_plugin_handler(client, workers):
     assert {w: list(v) for w, v in got.items()} == {w: [w, 7] for w in workers}
 
 
+def _add_echo(dask_worker):
+    def echo(value=None):  # runs on the worker's event loop, where get_worker() does not work
+        return {"echo": value, "at": dask_worker.address}
+
+    di.add_worker_handlers(dask_worker, {"internals_echo": echo})
+
+
+def test_worker_handlers_reached_from_a_task_thread(client, workers):
+    """add_worker_handlers + call_worker + worker_loop: a task on one worker calls a handler
+    added at run time on another, through that worker's own event loop and pooled comms."""
+    import asyncio
+
+    a, b = workers
+    client.run(_add_echo)
+
+    def ask(target):
+        w = get_worker()
+        coro = di.call_worker(w, target, "internals_echo", value=7)
+        return asyncio.run_coroutine_threadsafe(coro, di.worker_loop(w)).result(timeout=10)
+
+    got = client.submit(ask, b, workers=[a], pure=False).result(timeout=30)
+    assert got == {"echo": 7, "at": b}
+
+
 def test_the_distributed_release_is_one_we_pin():
     """pyproject pins distributed; these tests are what the pin rests on."""
     from importlib.metadata import requires

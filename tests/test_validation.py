@@ -88,14 +88,20 @@ CLI_CASES = [
     (R, {"DASK_DASKFLOW_KV__BLOCK_SIZE": "0"}, "setting daskflow-kv.block-size must be an integer >= 1"),
     (R, {"DASK_DASKFLOW_KV__DTYPE": "int8"}, "setting daskflow-kv.dtype must be one of float32, bfloat16"),
     (R, {"DASK_DASKFLOW_KV__CLUSTER__WORKERS": "0"}, "setting daskflow-kv.cluster.workers must be an integer >= 1"),
+    (R + ["--parallel-materialize", "0"], None, '--parallel-materialize must be "auto" or an integer >= 1, got 0'),
+    (R + ["--parallel-materialize", "half"], None, '--parallel-materialize must be "auto" or an integer >= 1'),
+    (R, {"DASK_DASKFLOW_KV__PARALLEL__MATERIALIZE": "-2"},
+     'setting daskflow-kv.parallel.materialize must be "auto" or an integer >= 1'),
     (R, {"DASK_DASKFLOW_KV__MODEL": "/nonexistent"}, "setting daskflow-kv.model '/nonexistent' is not a known"),
     (R + ["--agents", "3"], {"DASK_DASKFLOW_KV__MAX_FORK": "2"}, "--agents must be an integer from 1 to 2"),
     # -- bench, plan, catalog
     (["bench", "--workers", "0"], None, "--workers must be an integer >= 1"),
     (["bench", "--reps", "0"], None, "--reps must be an integer >= 1"),
-    (["bench", "--experiments", "1,8"], None, "--experiments must be a comma list of 1-7, got '8'"),
-    (["bench", "--experiments", "x"], None, "--experiments must be a comma list of 1-7, got 'x'"),
+    (["bench", "--experiments", "1,9"], None, "--experiments must be a comma list of 1-8, got '9'"),
+    (["bench", "--experiments", "x"], None, "--experiments must be a comma list of 1-8, got 'x'"),
     (["bench", "--exp7-rates", "0"], None, "--exp7-rates must be a number > 0"),
+    (["bench", "--experiments", "8", "--parallel-widths", "1", "3"], None, "--parallel-widths asks for 3 workers"),
+    (["bench", "--parallel-contexts", "0"], None, "--parallel-contexts must be an integer >= 1"),
     (["bench", "--systems", "text,nope"], None, "--systems must be one of text, hf, local, dkv"),
     (["bench", "--contexts", "0"], None, "--contexts must be an integer >= 1"),
     (["bench", "--ks", "0"], None, "--ks must be an integer from 1 to 1024"),
@@ -256,6 +262,10 @@ RUNTIME_ONLY = [
      r"requests\[1\] suffix must be integer token ids"),
     ("resume_many zero max_new", lambda x, a, b: x.resume_many([(a, [5])], 0), InvalidInputError,
      "max_new_tokens must be an integer >= 1, got 0"),
+    ("materialize parallel 0", lambda x, a, b: x.materialize([5, 6], parallel=0), InvalidInputError,
+     'parallel must be "auto" or an integer >= 1, got 0'),
+    ("materialize parallel word", lambda x, a, b: x.materialize([5, 6], parallel="many"), InvalidInputError,
+     'parallel must be "auto" or an integer >= 1, got \'many\''),
 ]
 
 

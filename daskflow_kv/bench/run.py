@@ -33,13 +33,15 @@ PROFILES = {
     "smoke": {"model": "tiny-llama", "contexts": [128, 256], "agents": 4, "exp2_context": 128, "ks": [1, 4],
               "reps": 1, "max_new_tokens": 4, "exp3_contexts": [128, 512], "netem_jobs": [], "near_tie": [], "near_tie_contexts": [], "systems": ["text", "hf", "local", "dkv"], "probe_mib": 4, "warmup": False,
               "exp6_workflows": ["debate"], "exp6_context": 96, "exp7_rates": [600], "exp7_workflows": 4,
-              "exp7_docs": 2, "exp7_context": 96},
+              "exp7_docs": 2, "exp7_context": 96,
+              "parallel_contexts": [128, 256], "parallel_exp1_contexts": [256]},
     # a few minutes on 2 cores: tiny-llama, every experiment at small sizes
     "quick": {"model": "tiny-llama", "contexts": [256, 512, 1024, 1900], "agents": 4, "exp2_context": 512,
               "ks": [1, 2, 4, 8, 16], "reps": 1, "max_new_tokens": 8, "exp3_contexts": [256, 1024, 1900],
               "netem_jobs": [[50, [256, 1900]], [2, [256]]], "near_tie": [0.85, 1.2], "near_tie_contexts": [1024],
               "systems": ["text", "hf", "local", "dkv"], "exp6_workflows": ["debate", "planner"],
-              "exp6_context": 512, "exp7_rates": [60, 600], "exp7_workflows": 8, "exp7_docs": 4, "exp7_context": 256},
+              "exp6_context": 512, "exp7_rates": [60, 600], "exp7_workflows": 8, "exp7_docs": 4, "exp7_context": 256,
+              "parallel_contexts": [256, 1024, 1900], "parallel_exp1_contexts": [1024, 1900]},
     # the published measurement: SmolLM2-135M (46,080 KV bytes per token in fp32). With --warm
     # --reps 3 on 2 quiet cores, estimated from earlier SmolLM2 runs: setup 1 min, exp3 loopback 2,
     # exp1 20, exp2 12, exp6 6, exp7 7, exp3 under tc 8: about 55 min of work, ~70 min in all.
@@ -49,14 +51,15 @@ PROFILES = {
              "near_tie": [0.85, 1.2], "near_tie_contexts": [512, 1024, 2048],
              "systems": ["text", "hf", "local", "dkv"], "exp6_workflows": ["debate", "planner"],
              "exp6_context": 2048, "exp7_rates": [12, 36, 108], "exp7_workflows": 16, "exp7_docs": 4,
-             "exp7_context": 1024},
+             "exp7_context": 1024,
+             "parallel_contexts": [1024, 2048, 4096, 8192], "parallel_exp1_contexts": [4096, 8192]},
 }
 MODELED_BANDWIDTHS_GBPS = [100, 25, 10, 3, 1, 0.3, 0.1, 0.03, 0.01]
 # systems.SYSTEMS + systems.OPTIONAL_SYSTEMS (tests check), here so flags are checked without torch
 ALL_SYSTEMS = ("text", "hf", "local", "dkv", "dkv-transfer", "dkv-recompute")
 
 
-EXPERIMENTS = (1, 2, 3, 4, 5, 6, 7)
+EXPERIMENTS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,8 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick", help="same as --profile quick")
     ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path (profile default)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--experiments", default="1,2,3,4,5,6,7",
-                    help="comma list of 1-7 (4 and 5 come from 2's runs)")
+    ap.add_argument("--experiments", default="1,2,3,4,5,6,7,8",
+                    help="comma list of 1-8 (4 and 5 come from 2's runs; 8: parallel materialize)")
     ap.add_argument("--systems", help="comma list of text,hf,local,dkv,dkv-transfer,dkv-recompute")
     ap.add_argument("--warm", action="store_true", help="exp 1 and 2 also warm: the shared context already cached")
     ap.add_argument("--contexts", type=int, nargs="+", help="exp1 context lengths (prompt tokens)")
@@ -85,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exp6-context", type=int, help="exp6 shared context (tokens)")
     ap.add_argument("--exp7-rates", type=float, nargs="+", help="exp7 arrival rates, workflows per minute")
     ap.add_argument("--exp7-workflows", type=int, help="exp7 workflows per stream")
+    ap.add_argument("--parallel-contexts", type=int, nargs="+", help="exp8 materialize context lengths")
+    ap.add_argument("--parallel-widths", type=int, nargs="+", default=[1, 2], help="exp8 worker counts W")
+    ap.add_argument("--parallel-exp1-contexts", type=int, nargs="+", help="exp8 cold exp1 context lengths")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--memory-limit", default="8GiB", help="per worker")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -100,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows"):
+                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "parallel_contexts",
+                "parallel_exp1_contexts"):
         v = getattr(args, key)
         if v is not None:
             cfg[key] = v
@@ -120,6 +127,7 @@ def resolve(args) -> dict:
     cfg["workers"] = args.workers
     cfg["profile"] = args.profile
     cfg["phases"] = ["cold", "warm"] if args.warm else ["cold"]
+    cfg["parallel_widths"] = args.parallel_widths
     return check(cfg)
 
 
@@ -134,10 +142,10 @@ def check(cfg: dict) -> dict:
     exps = set()
     for x in cfg["experiments"]:
         if not x.isdigit() or int(x) not in EXPERIMENTS:
-            raise InvalidInputError(f"--experiments must be a comma list of 1-7, got {x!r}")
+            raise InvalidInputError(f"--experiments must be a comma list of 1-8, got {x!r}")
         exps.add(int(x))
     if not exps:
-        raise InvalidInputError("--experiments must name at least one of 1-7")
+        raise InvalidInputError("--experiments must name at least one of 1-8")
     cfg["experiments"] = sorted(exps)
     if not cfg["systems"]:
         raise InvalidInputError(f"--systems must name at least one of {', '.join(ALL_SYSTEMS)}")
@@ -149,8 +157,10 @@ def check(cfg: dict) -> dict:
     cfg["max_new_tokens"] = v.max_new_tokens("--max-new-tokens", cfg["max_new_tokens"])
     cfg["workers"] = v.integer("--workers", cfg["workers"], minimum=1)
     for key, flag in (("contexts", "--contexts"), ("exp3_contexts", "--exp3-contexts"),
-                      ("near_tie_contexts", "--netem-contexts")):
-        cfg[key] = [v.integer(flag, c, minimum=1) for c in cfg[key]]
+                      ("near_tie_contexts", "--netem-contexts"), ("parallel_contexts", "--parallel-contexts"),
+                      ("parallel_exp1_contexts", "--parallel-exp1-contexts")):
+        cfg[key] = [v.integer(flag, c, minimum=1) for c in cfg.get(key, [])]
+    cfg["parallel_widths"] = [v.integer("--parallel-widths", w, minimum=1) for w in cfg.get("parallel_widths", [1, 2])]
     cfg["netem_jobs"] = [[v.number("--netem-rates", r, above=0), [v.integer("--netem-contexts", c, minimum=1)
                                                                   for c in cs]] for r, cs in cfg["netem_jobs"]]
     cfg["near_tie"] = [v.number("--near-tie", f, above=0) for f in cfg["near_tie"]]
@@ -160,6 +170,9 @@ def check(cfg: dict) -> dict:
     cfg["exp7_workflows"] = v.integer("--exp7-workflows", cfg["exp7_workflows"], minimum=1)
     if 3 in exps and cfg["workers"] < 2:
         raise InvalidInputError("experiment 3 moves KV between two workers: --workers must be >= 2 with it")
+    if 8 in exps and max(cfg["parallel_widths"]) > cfg["workers"]:
+        raise InvalidInputError(f"--parallel-widths asks for {max(cfg['parallel_widths'])} workers; --workers is "
+                                f"{cfg['workers']}")
     return cfg
 
 
@@ -211,6 +224,10 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
     finally:
         doc["total_s"] = time.time() - t_start
         files = write_all(doc, out_dir, tag, plots=plots, summary_path=summary_path)
+        if doc.get("parallel"):
+            from .exp_parallel import write as write_parallel
+
+            files += write_parallel(doc, out_dir, tag, summary_path or out_dir / f"SUMMARY_{tag}.md")
         doc["files"] = [str(f) for f in files]
         log("wrote:\n  " + "\n  ".join(str(f) for f in files))
         if readme is not None and "error" not in doc:
@@ -277,6 +294,9 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     flows = [s for s in systems if s in ("text", "local", "dkv")]  # exp 6 and 7 run these
     n_steps += cfg["reps"] * len(cfg["exp6_workflows"]) * len(flows) if 6 in exps else 0
     n_steps += len(cfg["exp7_rates"]) * len(flows) if 7 in exps else 0
+    if 8 in exps:
+        n_steps += cfg["reps"] * (len(cfg["parallel_contexts"]) * len(cfg["parallel_widths"])
+                                  + 5 * len(cfg["parallel_exp1_contexts"]))
     bar = Progress(n_steps, "bench", progress)
     partial = out_dir / f"bench_{tag}.json"
     doc["timing"] = {}
@@ -315,6 +335,10 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
             step("exp7", lambda: doc["runs"].extend(exp7(b, cfg["exp7_rates"], cfg["exp7_workflows"],
                                                          cfg["exp7_docs"], cfg["exp7_context"],
                                                          cfg["max_new_tokens"], systems, bar)))
+        if 8 in exps:  # parallel materialize: W workers prefill one context together
+            from .exp_parallel import run as run_parallel
+
+            step("exp8", lambda: doc.__setitem__("parallel", run_parallel(rt, cfg, workers, bar)))
     finally:
         bar.close()
         doc["counters"] = rt.counters()["counters"]

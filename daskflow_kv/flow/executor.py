@@ -2,9 +2,10 @@
 
 State mode lowers each level to KV operations on a ``KVRuntime``: per group of agents
 sharing a prompt prefix, one materialize (which itself reuses any cached prefix, such as
-an upstream agent's continuation state), a fork, and one resume per agent placed by the
-cost model. Text mode sends every agent's whole prompt to a worker, the baseline. Both
-build prompts from the same text, so their tokens must agree exactly.
+an upstream agent's continuation state, and may split a cold one over idle workers:
+``parallel``), a fork, and one resume per agent placed by the cost model. Text mode sends
+every agent's whole prompt to a worker, the baseline. Both build prompts from the same
+text, so their tokens must agree exactly.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     return WorkflowResult(wf.name, "text", results, time.perf_counter() - t0, level_tokens, cw)
 
 
-def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
+def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> WorkflowResult:
+    """``parallel``: workers a group's shared prefix is prefilled over (KVRuntime.materialize:
+    "auto", 1, W; None: ``daskflow-kv.parallel.materialize``)."""
     wf = cw.workflow
     outputs: dict[str, str] = {}
     results: dict[str, AgentResult] = {}
@@ -142,7 +145,7 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
             first = prompts[group.members[0]]
             # Not waited for: the planner places the branches while the prefix is still being
             # made, so an idle worker may rebuild it in parallel rather than wait for a copy.
-            prefix = rt.materialize(first[: group.prefix_len])  # reuses any cached part of it
+            prefix = rt.materialize(first[: group.prefix_len], parallel=parallel)  # reuses any cached part
             event = prefix.state.lineage[-1].as_dict()
             computed += event["tokens_computed"]
             for member, branch in zip(group.members, rt.fork(prefix, len(group.members))):
@@ -187,9 +190,12 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
     return result
 
 
-def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, **runtime_kwargs):
-    """Compile ``wf`` and run it; ``mode`` is state, text or both (returns a Comparison)."""
+def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, parallel=None, **runtime_kwargs):
+    """Compile ``wf`` and run it; ``mode`` is state, text or both (returns a Comparison).
+    ``parallel``: see ``run_state_mode``."""
     validation.choice("mode", mode, ("state", "text", "both"))
+    if parallel is not None:
+        parallel = validation.parallelism("parallel", parallel)
     with ExitStack() as stack:
         if runtime is None:
             from ..runtime.cluster import embedded_runtime
@@ -198,7 +204,7 @@ def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, **runtime_
         cw = compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size)
         if mode == "text":
             return run_text_mode(cw, runtime)
-        state = run_state_mode(cw, runtime)
+        state = run_state_mode(cw, runtime, parallel=parallel)
         if mode == "state":
             return state
         text = run_text_mode(compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size), runtime)

@@ -17,6 +17,8 @@ import transformers
 from .. import config
 from ..state.blocks import aligned_floor, split_spans
 from .cache_layer import growable_cache
+from . import relay_cache
+from .relay_attention import relay_twin
 from ..state.fingerprint import Fingerprint, fingerprint_model
 from .sampling import GREEDY, SamplingParams, choose
 
@@ -31,6 +33,7 @@ class RunMetrics:
     decode_s: float = 0.0  # the remaining decode steps
     export_s: float = 0.0  # cutting the new blocks out of the cache
     first_token_at: float = 0.0  # wall clock (time.time()) when the first token was sampled: TTFT's end
+    relay_wait_s: float = 0.0  # inside prefill_s: waiting for other workers' K/V (parallel prefill)
 
     @property
     def ttft_s(self) -> float:
@@ -99,10 +102,20 @@ class ModelRunner:
             out.append((s, e, block.contiguous()))
         return out
 
+    def _start(self, cache, prefix_blocks: list[torch.Tensor], prefix_len: int) -> None:
+        """Load the prefix blocks into ``cache`` and cut a partly reused last block."""
+        if sum(b.shape[3] for b in prefix_blocks) < prefix_len:
+            raise ValueError(f"prefix blocks hold fewer than the {prefix_len} tokens asked for")
+        self._load(cache, prefix_blocks)
+        extra = cache.get_seq_length() - prefix_len
+        if extra > 0:  # the last block is reused only in part: drop its other tokens
+            for layer in cache.layers:
+                layer.crop(-extra)
+
     # -- forward --------------------------------------------------------------------------
-    def _forward(self, cache, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, cache, tokens: list[int], model=None) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = (model or self.model)(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
@@ -124,17 +137,11 @@ class ModelRunner:
         """
         if not new_tokens:
             raise ValueError("run needs at least one new token to feed")
-        if sum(b.shape[3] for b in prefix_blocks) < prefix_len:
-            raise ValueError(f"prefix blocks hold fewer than the {prefix_len} tokens asked for")
         m = RunMetrics(tokens_reused=prefix_len, tokens_computed=len(new_tokens))
         cache = growable_cache(self.num_layers, capacity=prefix_len + len(new_tokens) + max_new_tokens)
 
         t0 = time.perf_counter()
-        self._load(cache, prefix_blocks)
-        extra = cache.get_seq_length() - prefix_len
-        if extra > 0:  # the last block is reused only in part: drop its other tokens
-            for layer in cache.layers:
-                layer.crop(-extra)
+        self._start(cache, prefix_blocks, prefix_len)
         t1 = time.perf_counter()
         logits = self._forward(cache, list(new_tokens))
         gen_stream = sampling.generator(stream)
@@ -158,3 +165,37 @@ class ModelRunner:
         m.load_s, m.prefill_s, m.decode_s, m.export_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
         stacked = torch.stack(kept) if (return_logits and kept) else None
         return RunOutput(generated, fed, blocks, stacked, m)
+
+    @torch.inference_mode()
+    def prefill_relayed(
+        self,
+        prefix_blocks: list[torch.Tensor],
+        prefix_len: int,
+        start: int,
+        new_tokens: list[int],
+        recv: relay_cache.Recv | None,
+        send: relay_cache.Send | None,
+    ) -> RunOutput:
+        """One chunk of a parallel prefill: positions [start, start + len(new_tokens)).
+
+        Positions [0, prefix_len) come from ``prefix_blocks``; [prefix_len, start) are other
+        chunks, prefilled elsewhere at the same time, whose K/V arrive per layer through
+        ``recv``; this chunk's own K/V leave through ``send`` as they are made. Returns the
+        blocks from ``aligned_floor(start)`` to the chunk's end, as ``run`` would.
+        """
+        if not new_tokens:
+            raise ValueError("a chunk needs at least one token")
+        if start < prefix_len:
+            raise ValueError(f"chunk start {start} lies inside the {prefix_len}-token prefix")
+        m = RunMetrics(tokens_reused=prefix_len, tokens_computed=len(new_tokens))
+        cache = relay_cache.relay_cache(self.num_layers, capacity=start + len(new_tokens))
+        t0 = time.perf_counter()
+        self._start(cache, prefix_blocks, prefix_len)
+        relay_cache.arm(cache, start - prefix_len, recv, send)
+        t1 = time.perf_counter()
+        self._forward(cache, list(new_tokens), relay_twin(self.model))
+        t2 = time.perf_counter()
+        blocks = self._export(cache, aligned_floor(start, self.block_size), start + len(new_tokens))
+        m.load_s, m.prefill_s, m.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        m.relay_wait_s = relay_cache.waited_seconds(cache)
+        return RunOutput([], start + len(new_tokens), blocks, None, m)

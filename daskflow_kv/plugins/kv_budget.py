@@ -11,6 +11,10 @@ that cannot fit waits while other KV tasks run on its worker and fails with a cl
 otherwise (``KVBudgetError``). A periodic check still trims retained blocks down to the
 budget as states are released.
 
+The chunk tasks of one parallel prefill are a *gang*: they must run at the same time (each
+waits for the K/V of the chunks before it), so they are admitted together or not at all -
+one admitted alone would hold its worker's thread waiting for a peer still parked.
+
 A mixin of ``KVSchedulerPlugin``.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError
@@ -42,6 +47,18 @@ class Held:
     since: float  # when it was submitted
     reserved: int = 0  # bytes promised once admitted (output + fetched inputs)
     worker: str | None = None  # where it was admitted
+    gang: str | None = None  # tasks that must start together (a parallel prefill's chunks)
+    gang_size: int = 1  # how many tasks the gang has
+
+
+class Verdict(NamedTuple):
+    """What admission decided for one parked task."""
+
+    action: str  # admit | wait | fail
+    victims: tuple  # blocks to evict first (admit)
+    reason: str  # why it waits or fails
+    worker: str  # where it would run
+    need: int  # KV bytes it adds there
 
 
 class KVBudget:
@@ -99,11 +116,12 @@ class KVBudget:
             self._event("evict", self.catalog.namespace_of(key), key=key, worker=addr, nbytes=ts.get_nbytes())
 
     # -- admission --------------------------------------------------------------------------------
-    def _hold(self, ts, target: str | None, out_bytes: int, namespace: str | None) -> bool:
+    def _hold(self, ts, target: str | None, out_bytes: int, namespace: str | None, gang: str | None = None,
+              gang_size: int = 1) -> bool:
         """Park a KV task until admitted; False (run it as usual) when no budget is set."""
         if self.kv_budget_bytes is None:
             return False
-        self._held[ts.key] = Held(target, int(out_bytes), namespace, time.time())
+        self._held[ts.key] = Held(target, int(out_bytes), namespace, time.time(), gang=gang, gang_size=int(gang_size))
         di.pin(self.scheduler, ts, HOLD)
         return True
 
@@ -145,34 +163,72 @@ class KVBudget:
             return
         now = time.time()
         stimulus = f"kv-admit-{now}"
+        gangs: dict[str, list] = {}
         for key, held in sorted(self._held.items(), key=lambda kv: kv[1].since):
             ts = self.scheduler.tasks.get(key)
             if ts is None or held.worker is not None or ts.state != "no-worker":
                 continue
-            worker = self._pick_worker(ts, held)
-            if worker is None:
+            if held.gang is not None:
+                gangs.setdefault(held.gang, []).append((key, ts, held))
                 continue
-            if self.kv_budget_bytes is None:  # the budget was lifted meanwhile
-                decision_action, victims, reason = ADMIT, (), ""
-                need = 0
-            else:
-                ws = self.scheduler.workers[worker]
-                need = held.out_bytes + self._incoming(ts, worker)
-                used, usage = self._usage(ws, now)
-                busy = any(k in self._held and self._held[k].worker == worker for k in (t.key for t in ws.processing))
-                d = admit(need, used, self._reserved.get(worker, 0), self.kv_budget_bytes, usage, now, busy,
-                          now - held.since, self.admission_patience, worker)
-                decision_action, victims, reason = d.action, d.victims, d.reason
-            if decision_action == ADMIT:
-                self._evict(worker, victims, stimulus)
-                held.worker, held.reserved = worker, need
-                self._reserved[worker] = self._reserved.get(worker, 0) + need
-                di.pin(self.scheduler, ts, worker)
-                di.reschedule(self.scheduler, [key], stimulus)
-            elif decision_action == FAIL:
-                self._held.pop(key, None)
-                self._event("over-budget", held.namespace, worker=worker, key=str(key), reason=reason)
-                di.fail_task(self.scheduler, key, KVBudgetError(reason), stimulus)
+            d = self._decide(ts, held, now)
+            if d is not None:
+                self._apply(key, ts, held, d, stimulus)
+        for members in gangs.values():
+            self._admit_gang(members, now, stimulus)
+
+    def _admit_gang(self, members: list, now: float, stimulus: str) -> None:
+        """All of a gang at once: admitted when every member fits, failed when one never can."""
+        waited = now - min(h.since for _, _, h in members)
+        if len(members) < members[0][2].gang_size and waited < self.admission_patience:
+            return  # the rest still wait for their inputs; a member that never comes stops blocking later
+        verdicts, promised = [], {}
+        for key, ts, held in members:
+            v = self._decide(ts, held, now, promised)
+            if v is None:
+                return
+            verdicts.append(v)
+            promised[v.worker] = promised.get(v.worker, 0) + v.need
+        actions = {v.action for v in verdicts}
+        if actions == {ADMIT}:
+            for (key, ts, held), v in zip(members, verdicts):
+                self._apply(key, ts, held, v, stimulus)
+        elif FAIL in actions:  # one never fits: the gang fails as one, none holds a thread waiting
+            reason = next(v.reason for v in verdicts if v.action == FAIL)
+            for (key, ts, held), v in zip(members, verdicts):
+                self._apply(key, ts, held, v._replace(action=FAIL, victims=(), reason=reason), stimulus)
+
+    def _decide(self, ts, held: Held, now: float, promised: dict | None = None) -> Verdict | None:
+        """The verdict for one parked task; None when no worker can take it.
+
+        ``promised``: worker -> bytes this pass already gave the task's gang there.
+        """
+        worker = self._pick_worker(ts, held)
+        if worker is None:
+            return None
+        if self.kv_budget_bytes is None:  # the budget was lifted meanwhile
+            return Verdict(ADMIT, (), "", worker, 0)
+        ws = self.scheduler.workers[worker]
+        need = held.out_bytes + self._incoming(ts, worker)
+        used, usage = self._usage(ws, now)
+        busy = any(k in self._held and self._held[k].worker == worker for k in (t.key for t in ws.processing))
+        reserved = self._reserved.get(worker, 0) + (promised or {}).get(worker, 0)
+        d = admit(need, used, reserved, self.kv_budget_bytes, usage, now, busy, now - held.since,
+                  self.admission_patience, worker)
+        return Verdict(d.action, d.victims, d.reason, worker, need)
+
+    def _apply(self, key, ts, held: Held, verdict: Verdict, stimulus: str) -> None:
+        action, victims, reason, worker, need = verdict
+        if action == ADMIT:
+            self._evict(worker, victims, stimulus)
+            held.worker, held.reserved = worker, need
+            self._reserved[worker] = self._reserved.get(worker, 0) + need
+            di.pin(self.scheduler, ts, worker)
+            di.reschedule(self.scheduler, [key], stimulus)
+        elif action == FAIL:
+            self._held.pop(key, None)
+            self._event("over-budget", held.namespace, worker=worker, key=str(key), reason=reason)
+            di.fail_task(self.scheduler, key, KVBudgetError(reason), stimulus)
 
     # -- the periodic check -------------------------------------------------------------------------
     def _enforce_budgets(self, force: bool = False) -> list[str]:

@@ -207,7 +207,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, KVTiers, SchedulerPlugin):
                 for ws in (dts.who_has or ()) if dts is not None else ():
                     held[ws.address] += dts.get_nbytes()
             target = max(sorted(held), key=held.get) if held else None
-        if self._hold(ts, target, note.get("kv_out", 0), namespace):
+        if self._hold(ts, target, note.get("kv_out", 0), namespace, note.get("gang"), note.get("gang_size", 1)):
             pass  # the budget decides when (and whether) it goes to ``target``: see kv_budget
         elif target is not None and target in self.scheduler.workers:
             # Strict while the worker lives (no work stealing); loosened if it dies.

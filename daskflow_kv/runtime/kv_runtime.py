@@ -20,7 +20,6 @@ are written through in the background.
 
 from __future__ import annotations
 
-import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -45,11 +44,13 @@ from ..policy.cost_model import Decision, NeedsCalibration, explain
 from ..errors import MergeError, StateReleasedError
 from ..state.kv_state import KVState, LineageEvent, new_state_id
 from ..model.sampling import GREEDY, SamplingParams
-from . import tasks
+from . import parallel_materialize, tasks
 from ..policy.placement import POLICIES, ClusterView, Placement, batch_seconds, plan_placements, read_blocks
+from .handles import DistGeneration, DistKVState, _Match
+from .handoff import HandoffPlugin
 from .kv_persistence import PersistentTier
 from .kv_worker import KVWorkerPlugin
-from .handles import DistGeneration, DistKVState, _Match
+from .tasks import task_key as _task_key
 from .serialization import TorchSerializationPlugin
 
 
@@ -95,6 +96,7 @@ class KVRuntime(PersistentTier, TextCodec):
         client.register_plugin(KVSchedulerPlugin())
         client.register_plugin(KVDashboardPlugin())  # /kv page, its JSON, KV series in /metrics
         client.register_plugin(KVWorkerPlugin())  # spilled blocks and store I/O, reported by workers
+        client.register_plugin(HandoffPlugin())  # the worker-to-worker channel of parallel materialize
         self.session = login(client, self.spec.namespace, secret)
         if kv_budget_bytes is not None or memory_weight is not None:  # explicit arguments win over config
             self.configure(kv_budget_bytes=config.get_bytes("kv-budget", kv_budget_bytes), memory_weight=memory_weight)
@@ -105,6 +107,7 @@ class KVRuntime(PersistentTier, TextCodec):
         self.bandwidth_override: float | None = None  # bytes/s for every pair (what-if, tests)
         self.prefill_override = None  # a PrefillProfile for every worker (what-if, tests)
         self.decisions: deque[Decision] = deque(maxlen=1024)  # cost-model decisions, oldest first
+        self.parallel_plans: deque = deque(maxlen=256)  # parallel-prefill choices (ParallelPlan), oldest first
 
     # -- plumbing -------------------------------------------------------------------------
     def _rpc(self, name: str, **kwargs):
@@ -147,12 +150,12 @@ class KVRuntime(PersistentTier, TextCodec):
                         block_size=self.block_size, client=self.client.id)
         return _Match(ans["tokens"], ans["blocks"], self._hold(b["key"] for b in ans["blocks"]), tokens)
 
-    def _publish(self, make: Callable[[int], tuple], tokens, kept, spans, sid: str, worker: str | None,
+    def _publish(self, make: Callable[[int], tuple], tokens, kept, spans, sid: str, worker,
                  store: bool = False, source: str | None = None) -> tuple:
         """The state's blocks: ``kept`` (ref, future) pairs, then one key per new span.
 
         ``make(i)`` gives the (function, *args) of a task producing span i's tensor on
-        ``worker``, where its input is. A span whose content address the scheduler already
+        ``worker`` (one for all spans, or one per span), where its input is. A span whose content address the scheduler already
         knows is acquired instead of submitted. ``store``: new blocks are also written to the
         persistent store (by that task, in the background); ``source="store"``: they were
         loaded from it.
@@ -162,8 +165,9 @@ class KVRuntime(PersistentTier, TextCodec):
     def _publish_many(self, items, store: bool = False, source: str | None = None) -> list[tuple]:
         """``_publish`` for several states at once: one acquire for all their new blocks.
 
-        ``items``: (make, tokens, kept, spans, state id, worker) per state. Two states with
-        the same continuation share its blocks' keys and get the same futures.
+        ``items``: (make, tokens, kept, spans, state id, worker) per state, ``worker`` one
+        for all spans or one per span (a parallel prefill's chunks). Two states with the same
+        continuation share its blocks' keys and get the same futures.
         """
         plans = []
         for make, tokens, kept, spans, sid, worker in items:
@@ -178,6 +182,7 @@ class KVRuntime(PersistentTier, TextCodec):
         held = self._hold(self._rpc("kv_acquire", keys=keys, client=self.client.id) if keys else {})
         out = []
         for (make, tokens, kept, spans, sid, worker), planned in zip(items, plans):
+            where = list(worker) if isinstance(worker, (list, tuple)) else [worker] * len(spans)
             refs, futures = [r for r, _ in kept], [f for _, f in kept]
             for i, (ref, parent) in enumerate(planned):
                 if ref.key not in held:
@@ -188,7 +193,7 @@ class KVRuntime(PersistentTier, TextCodec):
                         meta["persist"] = True
                     task = make(i) + ((self._write_request(ref.key, ref.start, ref.end),) if store else ())
                     with dask.annotate(kv={"role": "block", "session": self.session.token, "meta": meta}):
-                        held[ref.key] = self._submit_near(worker, *task, key=ref.key)
+                        held[ref.key] = self._submit_near(where[i], *task, key=ref.key)
                 refs.append(ref)
                 futures.append(held[ref.key])
             out.append((refs, futures))
@@ -286,7 +291,8 @@ class KVRuntime(PersistentTier, TextCodec):
                                   breq.op, breq.batch_id, worker, reads, placement, predicted_s=predicted_s,
                                   branches=[r.state_id for r in breq.requests])
 
-    def _compute_task(self, fn, req, inputs, key, op, state_id, worker, reads=(), placement=None, **extra) -> Future:
+    def _compute_task(self, fn, req, inputs, key, op, state_id, worker, reads=(), placement=None, kv_out=None,
+                      **extra) -> Future:
         note = {
             "role": "compute",
             "session": self.session.token,
@@ -296,7 +302,8 @@ class KVRuntime(PersistentTier, TextCodec):
             "reads": list(reads),
             "decision": None if placement is None else placement.decision_dict(),
             "first": bool(placement is not None and placement.first),
-            "kv_out": self._out_bytes(req),  # what the task adds to its worker (admission, see kv_budget)
+            # what the task adds to its worker (admission, see kv_budget)
+            "kv_out": self._out_bytes(req) if kv_out is None else kv_out,
             **extra,
         }
         with dask.annotate(kv=note):
@@ -341,13 +348,26 @@ class KVRuntime(PersistentTier, TextCodec):
         return tuple(own) + tuple(self._submit_near(worker, tasks.take_block, out, i,
                                                     key=_task_key(f"kvreplica-{sid}", i)) for i in range(n))
 
-    def materialize(self, tokens: Sequence[int] | str, worker: str | None = None) -> DistKVState:
-        """Prefill ``tokens`` once on a worker (reusing any cached prefix, on any worker)."""
+    def materialize(self, tokens: Sequence[int] | str, worker: str | None = None, parallel: int | str | None = None
+                    ) -> DistKVState:
+        """Prefill ``tokens`` once (reusing any cached prefix, on any worker).
+
+        ``parallel``: workers the prefill is split over (``parallel_materialize``): 1 = one
+        worker; W = W workers, each prefilling a chunk while handing its K/V forward layer by
+        layer; "auto" (or None: ``daskflow-kv.parallel.materialize``, "auto" by default) lets
+        the planner choose W from the fitted prefill profile, the links and the idle workers,
+        and it keeps one worker unless more are predicted faster. The blocks are the same
+        keys whatever W, each on the worker that computed it. ``worker``: where a single
+        prefill runs (with W > 1, one of the W).
+        """
         tokens = self.encode(tokens) if isinstance(tokens, str) else tokens
         tokens = validation.token_ids("tokens", tokens, self.facts.vocab_size, allow_empty=False)
-        return self._materialize(tokens, "materialize", (), worker)
+        parallel = parallel_materialize.width(parallel)
+        if worker is not None and parallel == "auto":
+            parallel = 1  # a caller who names the worker asked for that worker
+        return self._materialize(tokens, "materialize", (), worker, parallel)
 
-    def _materialize(self, tokens, op, parents, worker=None, **detail) -> DistKVState:
+    def _materialize(self, tokens, op, parents, worker=None, parallel=1, **detail) -> DistKVState:
         compat.check_positions(0, len(tokens), 0, self.facts.max_positions)
         sid = new_state_id(op)
         match = self._lookup(tokens)
@@ -357,16 +377,25 @@ class KVRuntime(PersistentTier, TextCodec):
         floor = aligned_floor(reused, self.block_size)
         if reused > in_memory:
             detail["tokens_from_store"] = reused - in_memory
-        target = None  # where the new blocks are made
+        target = None  # where the new blocks are made (the last chunk's worker, when split)
+        width = 1
         if reused < len(tokens):
             view = self.view()
             [p], view = self._plan(view, match, [reused], 1, "pin", worker, None, [len(tokens) - reused], 0)
             self._record(p)
-            inputs, reads = self._inputs(match, p, tokens, {}, view)
-            req = tasks.PrefillRequest(tuple(tokens), reused, op=op, state_id=sid)
-            source = self._prefill_task(req, inputs, p.worker, reads, p,
-                                        self._predict(view, p.worker, reused, [len(tokens) - reused], 0))
-            make, spans, target = (lambda i: (tasks.take_block, source, i)), split_spans(floor, len(tokens), self.block_size), p.worker
+            split = parallel_materialize.plan(self, view, p.worker, reused, len(tokens), reused, parallel)
+            if split is not None:  # every chunk reads the cached prefix where it is (Dask moves it)
+                reads = [b["key"] for b in read_blocks(match.plan_input(), reused)]
+                make, spans, target = parallel_materialize.submit(
+                    self, split, tokens, reused, [match.futures[k] for k in reads], reads, sid, op)
+                width = split.width
+            else:
+                inputs, reads = self._inputs(match, p, tokens, {}, view)
+                req = tasks.PrefillRequest(tuple(tokens), reused, op=op, state_id=sid)
+                source = self._prefill_task(req, inputs, p.worker, reads, p,
+                                            self._predict(view, p.worker, reused, [len(tokens) - reused], 0))
+                make, spans, target = ((lambda i: (tasks.take_block, source, i)),
+                                       split_spans(floor, len(tokens), self.block_size), p.worker)
         elif floor < reused:  # all cached; the request ends inside a cached block: cut it, no prefill
             tail = match.futures[match.blocks[-1]["key"]]
             target = next(iter(match.blocks[-1]["where"]), None)
@@ -377,6 +406,9 @@ class KVRuntime(PersistentTier, TextCodec):
         refs, futures = self._publish(make, tokens, match.kept(floor), spans, sid, target, store=writes)
         if writes:  # a shared state is stored whole, reused blocks too: a gap would cut it short
             self._write_reused(match, floor)
+        if width > 1:
+            detail["parallel"] = width
+            target = target[-1]
         return self._state(sid, refs, futures, op, parents, target,
                            tokens_reused=reused, tokens_computed=len(tokens) - reused, **detail)
 
@@ -569,6 +601,7 @@ class KVRuntime(PersistentTier, TextCodec):
 
     def explain(self) -> str:
         lines = [explain(d) for d in self.decisions]
+        lines += [f"parallel prefill over {p.width}: {p.reason}" for p in self.parallel_plans]
         return "\n".join(lines + ([self.explain_store()] if self.store_decisions else []))
 
     def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
@@ -583,12 +616,3 @@ class KVRuntime(PersistentTier, TextCodec):
         if self.store is not None:
             out["store"] = self.calibrate_store()
         return out
-
-
-def _task_key(kind: str, ident) -> str:
-    """Key of a task whose result holds K/V (a prefill's output, a replica block).
-
-    Dask serves any key to any client that names it; the random tail keeps these from being
-    named by whoever read the state id in an event or on the dashboard.
-    """
-    return f"{kind}-{ident}-{secrets.token_hex(8)}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class ModelFacts:
     vocab_size: int
     eos_ids: frozenset[int]
     batch_unsupported: str | None = None  # why branches cannot share one prefill_batch (None: they can)
+    num_layers: int = 1  # decoder layers (a parallel prefill hands K/V over once per layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,15 @@ def _sizeof_generation_result(res: GenerationResult) -> int:
     return (0 if res.logits is None else sizeof_torch_tensor(res.logits)) + 64 + 8 * len(res.generated)
 
 
+def task_key(kind: str, ident) -> str:
+    """Key of a task whose result holds K/V (a prefill's output, a replica block).
+
+    Dask serves any key to any client that names it; the random tail keeps these from being
+    named by whoever read the state id in an event or on the dashboard.
+    """
+    return f"{kind}-{ident}-{secrets.token_hex(8)}"
+
+
 def _default_device(spec: ModelSpec) -> str:
     if spec.device != "auto":
         return spec.device
@@ -173,7 +184,7 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
     r = get_runner(spec)
     cfg = r.model.config.get_text_config() if hasattr(r.model.config, "get_text_config") else r.model.config
     return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids),
-                      unsupported_layers(cfg))
+                      unsupported_layers(cfg), r.num_layers)
 
 
 def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) -> PrefillOutput:
