@@ -113,6 +113,8 @@ class Engine(TextCodec):
         match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size)
         # Decoding needs the last token's logits, which no cache holds: always feed >= 1 token.
         reused = min(match.tokens, len(tokens) - 1) if max_new_tokens else match.tokens
+        if reused < len(tokens):  # a prefill follows: below fp32 it starts on a block boundary
+            reused = self.runner.reusable(reused)
         floor = aligned_floor(reused, self.block_size)
         kept = [b for b in match.blocks if b.end <= floor]
         out = None

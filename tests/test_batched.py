@@ -12,7 +12,9 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
 
 
 def _prefix(engine, text=CONTEXT):
+    """A block-aligned context: below fp32 a single resume starts only on a block boundary."""
     ctx = engine.encode(text)
+    ctx = ctx[: len(ctx) - len(ctx) % engine.block_size]
     root = engine.materialize(ctx)
     return ctx, root, [engine.store.get(b.key) for b in root.blocks]
 

@@ -1,4 +1,4 @@
-"""Experiment 6 of the bench (parallel materialize) at its smallest: files written, tokens checked."""
+"""Experiment 8 of the bench (parallel materialize) at its smallest: files written, tokens checked."""
 
 import json
 
@@ -6,7 +6,7 @@ from daskflow_kv.bench.run import main as bench_main
 
 
 def test_bench_parallel_materialize_smoke(tmp_path):
-    rc = bench_main(["--profile", "smoke", "--experiments", "6", "--out", str(tmp_path), "--tag", "p",
+    rc = bench_main(["--profile", "smoke", "--experiments", "8", "--out", str(tmp_path), "--tag", "p",
                      "--no-progress", "--no-plots", "--parallel-contexts", "128", "--parallel-exp1-contexts", "128"])
     assert rc == 0
     for name in ("bench_p.json", "bench_p_parallel.csv", "bench_p_parallel_summary.csv", "SUMMARY_p.md"):
@@ -19,4 +19,4 @@ def test_bench_parallel_materialize_smoke(tmp_path):
     assert two["relayed"] and two["handoff_bytes"] > 0 and len(two["workers"]) == 2
     assert {r["system"] for r in part["rows"] if r["exp"] == "exp1p"} == {"text", "hf", "local", "dkv-w1",
                                                                           "dkv-par"}
-    assert "Experiment 6: parallel materialize" in (tmp_path / "SUMMARY_p.md").read_text()
+    assert "Experiment 8: parallel materialize" in (tmp_path / "SUMMARY_p.md").read_text()

@@ -65,7 +65,7 @@ def _text(runner, tokens, new=12):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float32"])  # below fp32 the runtime never relays (see parallel_materialize)
 @pytest.mark.parametrize("width", [2, 3])
 def test_relayed_chunks_resume_like_text_mode(arch, dtype, width):
     engine = make_engine(arch, dtype, block_size=16)

@@ -269,6 +269,10 @@ class KVRuntime(PersistentTier, TextCodec):
             view = self.view()
             return plan_placements(view, *args), view
 
+    def _reusable(self, reused: int) -> int:
+        """``ModelRunner.reusable`` on this side: below fp32 only whole blocks are reused."""
+        return aligned_floor(reused, self.block_size) if self.facts.aligned_prefill else reused
+
     def _predict(self, view, worker, reused: int, new_tokens: list[int], max_new_tokens: int) -> float | None:
         """Seconds a compute task's plan expects it to run (the plugin tells later plans how
         long ``worker`` stays busy)."""
@@ -374,6 +378,8 @@ class KVRuntime(PersistentTier, TextCodec):
         in_memory = match.tokens
         match = self._from_store(tokens, match, worker, sid)  # a miss in memory may hit the store
         reused = match.tokens
+        if reused < len(tokens):  # a prefill follows: below fp32 it starts on a block boundary
+            reused = self._reusable(reused)
         floor = aligned_floor(reused, self.block_size)
         if reused > in_memory:
             detail["tokens_from_store"] = reused - in_memory
@@ -468,7 +474,8 @@ class KVRuntime(PersistentTier, TextCodec):
         plans: list[tuple[_Match, Placement]] = [None] * len(requests)  # type: ignore[list-item]
         for idxs in groups.values():
             match = self._lookup(requests[idxs[0]][0].tokens)
-            reused = [min(match.tokens, len(prompts[i]) - 1) for i in idxs]  # decode needs >= 1 fed token
+            # decode needs >= 1 fed token; below fp32 a prefill starts on a block boundary
+            reused = [self._reusable(min(match.tokens, len(prompts[i]) - 1)) for i in idxs]
             new = [len(prompts[i]) - r for i, r in zip(idxs, reused)]
             placements, view = self._plan(view, match, reused, len(idxs), policy, None, workers, new, max_new_tokens)
             for i, p in zip(idxs, placements):

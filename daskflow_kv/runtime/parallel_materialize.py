@@ -45,6 +45,10 @@ def plan(rt, view, target: str | None, start: int, end: int, reused: int, parall
     w = width(parallel)
     if w == 1 or target is None or target not in view.workers:
         return None
+    if rt.facts.aligned_prefill:
+        # Below fp32 only text mode's own chunk shapes are bit-exact (ModelRunner._prefill); a
+        # relayed chunk is fed whole. Such models prefill on one worker, whatever was asked.
+        return None
     others = [x for x in sorted(view.workers) if x != target]
     if w == "auto":
         others = [x for x in others if not view.workers[x].get("processing", 0)]

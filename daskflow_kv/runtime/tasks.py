@@ -57,6 +57,7 @@ class ModelFacts:
     eos_ids: frozenset[int]
     batch_unsupported: str | None = None  # why branches cannot share one prefill_batch (None: they can)
     num_layers: int = 1  # decoder layers (a parallel prefill hands K/V over once per layer)
+    aligned_prefill: bool = False  # below fp32: prefills start on block boundaries (ModelRunner.reusable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +184,12 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
 
     r = get_runner(spec)
     cfg = r.model.config.get_text_config() if hasattr(r.model.config, "get_text_config") else r.model.config
+    # Below fp32 a k-row batched decode rounds unlike one branch's decode, and bf16 greedy
+    # tokens then drift from text mode's (SmolLM2): such models resume branch by branch.
+    batch = unsupported_layers(cfg) or (f"{str(r.dtype).removeprefix('torch.')} batched decode rounds unlike a "
+                                        "single branch's" if r.aligned_prefill else None)
     return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids),
-                      unsupported_layers(cfg), r.num_layers)
+                      batch, r.num_layers, r.aligned_prefill)
 
 
 def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) -> PrefillOutput:
