@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ARCHS, DTYPES, CONTEXT, SUFFIXES, assert_same_generation, make_engine
+from conftest import ARCHS, CONTEXT, SUFFIXES, assert_same_generation, make_engine
 
 from daskflow_kv.model.sampling import GREEDY
 from daskflow_kv.state.blocks import aligned_floor
