@@ -364,7 +364,7 @@ def readme_table(doc: dict, summary: list[dict]) -> str:
     for ctx in _points(summary, "exp1"):
         add(f"mean TTFT, {cfg['agents']} agents, {ctx}-token context, s", "exp1", ctx, "ttft_mean_s", "{:.2f}")
     for k in _points(summary, "exp2"):
-        add(f"wall, {k} agents, {cfg['exp2_context']}-token context, s", "exp2", k, "wall_s", "{:.2f}")
+        add(f"wall, {k} agent{'s' if k != 1 else ''}, {cfg['exp2_context']}-token context, s", "exp2", k, "wall_s", "{:.2f}")
     for wf in _points(summary, "exp6"):
         add(f"wall, {wf} (multi-round), s", "exp6", wf, "wall_s", "{:.2f}", ("cold",))
     rates = _points(summary, "exp7")
