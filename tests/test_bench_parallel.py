@@ -19,4 +19,9 @@ def test_bench_parallel_materialize_smoke(tmp_path):
     assert two["relayed"] and two["handoff_bytes"] > 0 and len(two["workers"]) == 2
     assert {r["system"] for r in part["rows"] if r["exp"] == "exp1p"} == {"text", "hf", "local", "dkv-w1",
                                                                           "dkv-par"}
+    # the context of a parallel materialize is ready when its last chunk is: every cold row says when
+    cold = [r for r in part["rows"] if r["exp"] == "exp1p"]
+    assert all(r["ttft_invariant_ok"] is True and r["shared_prefill_wall_s"] > 0 for r in cold), cold
+    par = next(r for r in cold if r["system"] == "dkv-par")
+    assert par["shared_prefill_s"] > 0 and par["ttft_min_s"] >= par["shared_prefill_wall_s"]
     assert "Experiment 8: parallel materialize" in (tmp_path / "SUMMARY_p.md").read_text()

@@ -15,6 +15,7 @@ import torch
 from conftest import ARCHS, CONTEXT, DTYPES, SUFFIXES, assert_same_generation, make_engine
 from distributed import Client
 
+from daskflow_kv.bench.systems import made_at
 from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.runtime.tasks import PREFILL_TOPIC
@@ -50,6 +51,7 @@ def test_two_workers_make_the_single_prefill_blocks_and_resume_exactly(client, w
     rt.bandwidth_override, rt.prefill_override = 2e9, PrefillProfile(1e-3, 1e-5, 1e-7)  # chunk 0 the longer
     engine = make_engine(arch, dtype, block_size=16)
     ctx = _ctx(rt, f"exact-{arch}-{dtype}")
+    t0 = time.time()
     st = rt.materialize(ctx, parallel=2)
     rt.wait([st])
 
@@ -71,6 +73,9 @@ def test_two_workers_make_the_single_prefill_blocks_and_resume_exactly(client, w
     events = _chunk_events(client, st.state_id)
     assert sorted(e["chunk"] for e in events) == [0, 1]
     assert all(e["relayed"] for e in events), [(e["alone_because"], e["handoff_failures"]) for e in events]
+    # each chunk says when its blocks existed (the bench's TTFT invariant needs the last one)
+    assert all(t0 <= e["done_at"] <= time.time() for e in events)
+    assert made_at(events) == [max(e["done_at"] for e in events)]
 
     suffixes = [rt.encode(s) for s in SUFFIXES]
     gens = rt.resume_many(list(zip(rt.fork(st, len(suffixes)), suffixes)), max_new_tokens=NEW, return_logits=True)

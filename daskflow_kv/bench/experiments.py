@@ -50,8 +50,9 @@ def _run_row(exp: str, point: dict, rep: int, run: S.SystemRun, wl, agree: bool 
         "agree": agree, "wall_s": run.wall_s,
         "ttft_mean_s": ttft_mean, "ttft_p50_s": statistics.median(ttfts), "ttft_min_s": min(ttfts),
         "ttft_max_s": max(ttfts), "shared_prefill_wall_s": shared,
-        # cold: no agent's first token can come before the shared context existed
-        "ttft_invariant_ok": None if run.phase != "cold" or math.isnan(shared) else ttft_mean >= shared,
+        # cold: no agent's first token can come before the shared context existed; a cold row
+        # that cannot say when it existed cannot be checked, and is refused like a violation
+        "ttft_invariant_ok": None if run.phase != "cold" else not math.isnan(shared) and ttft_mean >= shared,
         "generated_tokens": run.generated_tokens, "throughput_tok_s": run.generated_tokens / run.wall_s,
         "busiest_compute_s": run.busiest_compute_s, "omega_s": run.overhead_s,
         "omega_frac": run.overhead_s / run.wall_s if run.wall_s else math.nan,

@@ -109,7 +109,7 @@ def run_system(b: S.Bench, system: str, cw) -> dict:
         out = _from_executor(res)
         out["start"] = t0
         evs = S.prefill_events(b.client, t0)
-        made = [e["done_at"] for e in evs if e["op"] in ("materialize", "recompute")]
+        made = S.made_at([e for e in evs if e["op"] in ("materialize", "recompute")])
         lvl0 = [a["first_token_at"] for a in out["agents"].values() if a["level"] == 0]
         out["shared_ready_at"] = min(made + [min(lvl0)])  # nothing materialized: a resume prefilled it
         out["decisions"] = _decisions(res)

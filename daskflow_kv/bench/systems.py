@@ -249,12 +249,11 @@ def run_dkv(b: Bench, wl: Workload, policy: str = "auto", name: str = "dkv") -> 
     need_event = made.get("tokens_computed", 0) > 0
     events = prefill_events(rt.client, t0, prefix.state_id if need_event else None)
     agents, decisions, compute = [], {}, {}
-    shared, ready = 0.0, []
     for e in events:
         compute[e["worker"]] = compute.get(e["worker"], 0.0) + e["task_seconds"]
-        if e["state_id"] == prefix.state_id or e["op"] == "recompute":
-            shared += e["seconds"] + e.get("load_seconds", 0.0)
-            ready.append(e["done_at"])
+    context = [e for e in events if e["state_id"] == prefix.state_id or e["op"] == "recompute"]
+    shared = sum(e["seconds"] + e.get("load_seconds", 0.0) for e in context)
+    ready = made_at(context)
     if not need_event:
         ready.append(t0)  # every token of the context was cached before the workflow started
     tokens = sum(e["new_tokens"] for e in events)
@@ -277,6 +276,16 @@ def run_dkv(b: Bench, wl: Workload, policy: str = "auto", name: str = "dkv") -> 
                      shared_ready_at=min(ready) if ready else None, batched_branches=batched)
 
 
+def made_at(events: list[dict]) -> list[float]:
+    """When each state these prefill events made existed: its event's end, or for a parallel
+    materialize (one event per chunk) its last chunk's."""
+    done: dict[str, float] = {}
+    for e in events:
+        key = e["state_id"] if "chunk" in e else id(e)
+        done[key] = max(done.get(key, 0.0), e["done_at"])
+    return list(done.values())
+
+
 def prefill_events(client, since: float, need: str | None = None, timeout: float = 5.0) -> list[dict]:
     """Prefill timings the workers reported (runtime.tasks.PREFILL_TOPIC) that ended after
     ``since`` (their own wall clock), waiting until the event of state ``need`` is in."""
@@ -284,7 +293,10 @@ def prefill_events(client, since: float, need: str | None = None, timeout: float
     while True:
         evs = [e for _, e in client.get_events(tasks.PREFILL_TOPIC)
                if e.get("op") != "calibrate" and e.get("done_at", 0.0) >= since]
-        if (need is None and evs) or any(e["state_id"] == need for e in evs) or time.time() > deadline:
+        mine = [e for e in evs if e["state_id"] == need]
+        # a parallel materialize reports once per chunk: wait for all of them
+        done = mine and len(mine) >= mine[0].get("chunks", 1)
+        if (need is None and evs) or done or time.time() > deadline:
             return evs
         time.sleep(0.05)
 

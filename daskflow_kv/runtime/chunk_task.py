@@ -99,6 +99,7 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
         "wait_seconds": m.relay_wait_s,
         "load_seconds": m.load_s,
         "task_seconds": time.perf_counter() - t0,
+        "done_at": time.time(),  # wall clock: this chunk's blocks exist from here on
         "handoff_bytes_sent": channel.bytes_sent if channel else 0,
         "handoff_failures": channel.failures[:3] if channel else [],
         "handoff_layers_received": len(channel.transit) if channel else 0,
