@@ -2,7 +2,7 @@
 
 import pytest
 
-from daskflow_kv.state.blocks import BlockRef, aligned_floor, block_key, chain_keys, split_spans
+from daskflow_kv.state.blocks import BlockRef, aligned_floor, block_key, chain_keys, reusable_prefix, split_spans
 from daskflow_kv.state.prefix_index import PrefixIndex
 
 FP = "fingerprint-a"
@@ -65,3 +65,8 @@ def test_remove_forgets_blocks():
     for key, _, _ in chain_keys(FP, tokens, 16):
         idx.remove(key)
     assert len(idx) == 0 and idx.longest_prefix(FP, tokens, 16).tokens == 0
+
+
+def test_reusable_prefix_keeps_whole_blocks_only_when_aligned():
+    assert [reusable_prefix(n, 16, aligned=False) for n in (0, 15, 16, 40)] == [0, 15, 16, 40]
+    assert [reusable_prefix(n, 16, aligned=True) for n in (0, 15, 16, 40)] == [0, 0, 16, 32]

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from .. import config
-from ..state.blocks import aligned_floor, split_spans
+from ..state.blocks import aligned_floor, reusable_prefix, split_spans
 from .cache_layer import growable_cache
 from . import relay_cache
 from .relay_attention import relay_twin
@@ -86,7 +86,7 @@ class ModelRunner:
     def reusable(self, reused: int) -> int:
         """How much of a cached prefix a prefill may start from: all of it in fp32; below fp32
         only whole blocks, so the suffix is fed in the chunks text mode feeds it in."""
-        return aligned_floor(reused, self.block_size) if self.aligned_prefill else reused
+        return reusable_prefix(reused, self.block_size, self.aligned_prefill)
 
     @property
     def bytes_per_token(self) -> int:

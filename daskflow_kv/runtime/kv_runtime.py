@@ -38,6 +38,7 @@ from ..state.blocks import (
     chain_keys,
     common_prefix_len,
     keyed_digest,
+    reusable_prefix,
     split_spans,
 )
 from ..policy.cost_model import Decision, NeedsCalibration, explain
@@ -271,7 +272,7 @@ class KVRuntime(PersistentTier, TextCodec):
 
     def _reusable(self, reused: int) -> int:
         """``ModelRunner.reusable`` on this side: below fp32 only whole blocks are reused."""
-        return aligned_floor(reused, self.block_size) if self.facts.aligned_prefill else reused
+        return reusable_prefix(reused, self.block_size, self.facts.aligned_prefill)
 
     def _predict(self, view, worker, reused: int, new_tokens: list[int], max_new_tokens: int) -> float | None:
         """Seconds a compute task's plan expects it to run (the plugin tells later plans how

@@ -93,6 +93,12 @@ def aligned_floor(n: int, block_size: int) -> int:
     return n - n % block_size
 
 
+def reusable_prefix(cached: int, block_size: int, aligned: bool) -> int:
+    """How many cached tokens a prefill may start after: all of them, or with ``aligned``
+    (models below fp32) only whole blocks, so the rest is fed in text mode's chunks."""
+    return aligned_floor(cached, block_size) if aligned else cached
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
