@@ -121,6 +121,18 @@ def link_bandwidths(scheduler) -> dict[tuple[str, str], float]:
     return {(src, dst): bw for (dst, src), bw in scheduler.bandwidth_workers.items()}
 
 
+async def install_worker_plugin(scheduler, plugin) -> None:
+    """Install ``plugin`` on every worker, present and future, from inside the scheduler.
+
+    What ``Client.register_plugin`` does for a WorkerPlugin, minus the client: the
+    scheduler keeps the pickled plugin and sends it to workers as they join. Idempotent by
+    the plugin's ``name``.
+    """
+    from distributed.protocol.pickle import dumps
+
+    await scheduler.register_worker_plugin(None, dumps(plugin), name=plugin.name, idempotent=True)
+
+
 def replace_amm_policy(scheduler, old_type: type, new) -> bool:
     """Swap the Active Memory Manager's ``old_type`` policy for ``new``; False without an AMM."""
     amm = scheduler.extensions.get("amm")

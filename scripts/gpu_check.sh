@@ -6,7 +6,7 @@
 # Where torch sees no CUDA device it prints a SKIP line and exits 0, measuring and writing
 # nothing. On a GPU machine it
 #   1. installs the carried wheels (.whl/, made by scripts/gpu_wheels.sh) into $GPU_CHECK_SITE
-#      and puts them on PYTHONPATH after the repository,
+#      and puts them on PYTHONPATH after this checkout's package (scripts/source_tree.sh),
 #   2. checks the GPU stack imports (dask-cuda, distributed-ucxx, CuPy, transformers >= 5.24),
 #   3. runs the GPU tests (pytest -m gpu: serializers on CUDA, blocks between two UCX workers),
 #   4. runs the measurement (python -m daskflow_kv.bench.gpu_check) under a time limit, with
@@ -39,12 +39,14 @@ if [ "$DRY" != 1 ]; then
   fi
 fi
 
-# 1. carried wheels
+# 1. carried wheels; this checkout as the installed package would be (scripts/source_tree.sh:
+# plugins/ and workflows/ mapped under daskflow_kv), run with -P so ./daskflow_kv does not shadow it
+SRC="$(bash "$ROOT/scripts/source_tree.sh" "$LOGS/src")"
 if compgen -G ".whl/*.whl" >/dev/null; then
   echo "[gpu_check] installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE"
   step "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "FAIL gpu_check: installing .whl/*.whl failed"; exit 1; }
-  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH}"
   # dask-cuda and ucxx need `from cuda.core import Device` (cuda-core >= 0.5.1): carried as a fallback.
   if ! "$PY" -c 'from cuda.core import Device' 2>/dev/null && compgen -G ".whl/fallback/*.whl" >/dev/null; then
     echo "[gpu_check] the image's cuda-core is too old or missing: installing .whl/fallback"
@@ -52,7 +54,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
       .whl/fallback/*.whl || { echo "FAIL gpu_check: installing .whl/fallback failed"; exit 1; }
   fi
 else
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 # 2. the stack
@@ -87,12 +89,12 @@ export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 
 # 3. GPU tests (their failure is reported, the measurement still runs)
-step timeout --signal=TERM --kill-after=15 "$PYTEST_LIMIT" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+step timeout --signal=TERM --kill-after=15 "$PYTEST_LIMIT" "$PY" -P -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_serialization.py tests/test_gpu_ucx.py 2>&1 | tee "$LOGS/gpu_pytest.log"
 pytest_rc=${PIPESTATUS[0]}
 
 # 4. the measurement
-step timeout --signal=TERM --kill-after=30 "$((${BUDGET%.*} + 45))" "$PY" -m daskflow_kv.bench.gpu_check \
+step timeout --signal=TERM --kill-after=30 "$((${BUDGET%.*} + 45))" "$PY" -P -m daskflow_kv.bench.gpu_check \
   --budget "$BUDGET" --out "$RESULT" --ucx-log-dir "$LOGS" "$@" 2>&1 | tee "$LOGS/gpu_check.log"
 check_rc=${PIPESTATUS[0]}
 

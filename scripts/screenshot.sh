@@ -41,7 +41,7 @@ import urllib.parse
 
 def main(url_file: str, hold_s: float = 300.0) -> None:
     from daskflow_kv.policy.cost_model import PrefillProfile
-    from daskflow_kv.plugins.kv_dashboard import KVDashboardPlugin
+    from daskflow_kv.plugins.dashboard import KVDashboardPlugin
     from daskflow_kv.runtime.cluster import embedded_runtime
     from daskflow_kv.workflows import WORKFLOWS
 

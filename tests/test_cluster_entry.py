@@ -70,7 +70,7 @@ def test_dask_scheduler_preload_loads_the_plugin(tmp_path):
             name, budget, policies = client.run_on_scheduler(info)
             assert name == "KVSchedulerPlugin" and budget == 3 * 2**20  # from --kv-budget
             assert "KVAwareReduceReplicas" in policies and "ReduceReplicas" not in policies
-            assert all(client.run(lambda: "daskflow_kv.runtime.serialization" in sys.modules).values())
+            assert all(client.run(lambda: "daskflow_kv.transport.serialization" in sys.modules).values())
             rt = KVRuntime(client, "tiny-llama", block_size=16)  # end to end through the preloaded plugin
             s = rt.materialize(rt.encode("A preloaded scheduler serves KV states."))
             assert rt.counters()["kv_budget_bytes"] == 3 * 2**20
@@ -89,7 +89,7 @@ def test_scheduler_command_names_the_preload():
     cmd = kvc.scheduler_command(kv_budget="2GiB", port=8786)
     assert cmd == (
         "dask scheduler --port 8786 --preload daskflow_kv.plugins.kv_scheduler --kv-budget 2GiB"
-        " --preload daskflow_kv.plugins.kv_dashboard"
+        " --preload daskflow_kv.plugins.dashboard"
     )
 
 

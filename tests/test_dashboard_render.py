@@ -10,8 +10,9 @@ from pathlib import Path
 import dask
 import pytest
 
-from daskflow_kv.plugins import kv_dashboard_render, kv_dashboard_view
-from daskflow_kv.plugins.kv_dashboard import collect, render_page, render_sections
+from daskflow_kv.plugins.dashboard import render as kv_dashboard_render, view as kv_dashboard_view
+from daskflow_kv.plugins.dashboard.data import collect
+from daskflow_kv.plugins.dashboard.render import render_page, render_sections
 
 EVIL = '<script>alert("kv")</script>'
 SECTION_IDS = ("kv-cards", "kv-workers", "kv-lineage", "kv-states", "kv-decisions", "kv-events")

@@ -12,7 +12,8 @@ from distributed import Client, Event, get_worker, wait
 from conftest import wait_until
 
 from daskflow_kv import dask_internals as di
-from daskflow_kv.plugins.kv_scheduler import CACHE_CLIENT, KVAwareReduceReplicas
+from daskflow_kv.keys import CACHE_CLIENT
+from daskflow_kv.plugins.kv_scheduler import KVAwareReduceReplicas
 
 
 

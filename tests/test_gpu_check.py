@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from daskflow_kv.bench import gpu_check, gpu_report as gr
-from daskflow_kv.runtime import frame_counts as fc
+from daskflow_kv.transport import frame_counts as fc
 from daskflow_kv.runtime.cuda import cuda_cluster, next_slot, worker_devices
-from daskflow_kv.runtime.serialization import deserialize_torch_tensor, serialize_torch_tensor
+from daskflow_kv.transport.serialization import deserialize_torch_tensor, serialize_torch_tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from distributed import wait
 
-from daskflow_kv.runtime import frame_counts as fc
+from daskflow_kv.transport import frame_counts as fc
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ import time
 from daskflow_kv.bench import worker_tasks as wt
 from daskflow_kv.flow.executor import Comparison, run_state_mode, run_text_mode
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
+from daskflow_kv.transport.serialization import _SIZEOF_OVERHEAD
 from daskflow_kv.workflows import WORKFLOWS
 
 BLOCK_SIZE = 16

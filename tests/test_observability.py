@@ -25,8 +25,10 @@ import pytest
 from daskflow_kv.runtime.catalog_export import catalog_table, export_catalog, read_catalog
 from daskflow_kv.runtime.catalog_export import main as catalog_main
 from daskflow_kv.policy.cost_model import PrefillProfile
-from daskflow_kv.plugins import kv_metrics
-from daskflow_kv.plugins.kv_dashboard import KVDashboardPlugin, collect, render_page
+from daskflow_kv.plugins.dashboard import metrics as kv_metrics
+from daskflow_kv.plugins.dashboard import KVDashboardPlugin
+from daskflow_kv.plugins.dashboard.data import collect
+from daskflow_kv.plugins.dashboard.render import render_page
 from daskflow_kv.state.catalog import ARROW_COLUMNS
 from daskflow_kv.runtime.cluster import embedded_runtime
 from daskflow_kv.workflows import WORKFLOWS

@@ -18,7 +18,7 @@ from distributed import Client
 from daskflow_kv.bench.systems import made_at
 from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from daskflow_kv.runtime.tasks import PREFILL_TOPIC
+from daskflow_kv.keys import PREFILL_TOPIC
 from daskflow_kv.state.blocks import chain_keys
 
 NEW = 6
@@ -153,7 +153,7 @@ def own_client():
 
 def _slow_sends(seconds):
     """On this worker, every layer hand-off is followed by a pause: chunks take seconds."""
-    from daskflow_kv.runtime import handoff
+    from daskflow_kv.plugins import handoff
 
     send = handoff.Channel.send
 
@@ -165,7 +165,7 @@ def _slow_sends(seconds):
 
 
 def _running_chunks():
-    from daskflow_kv.runtime import handoff
+    from daskflow_kv.plugins import handoff
 
     return sorted(c for (_, c), s in handoff.MAILBOX._states.items() if s == handoff.RUNNING)
 
@@ -283,7 +283,7 @@ def test_a_dead_peer_is_told_from_a_slow_one_by_its_port(workers):
     """The channel's liveness test: a live worker's port accepts (however busy it is), a dead one refuses."""
     import socket
 
-    from daskflow_kv.runtime.handoff import listening
+    from daskflow_kv.plugins.handoff import listening
 
     assert listening(workers[0]) is True
     s = socket.socket()

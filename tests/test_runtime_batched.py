@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import CONTEXT, SUFFIXES, make_engine, wait_until
 
+from daskflow_kv.keys import PREFILL_TOPIC
 from daskflow_kv.runtime import tasks
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.model.sampling import SamplingParams
@@ -66,8 +67,8 @@ def test_pinned_branches_run_as_one_batch(client, workers, dtype, sampling):
     assert len(batched_keys) == 1 and len(plain_keys) == 4, (batched_keys, plain_keys)
     assert not [k for k in _tasks_run(client, t0) if k in {f"kvprefill-resume-{g.state.state_id}" for g in gens}]
     # One timing event for the batch, counting every branch's suffix.
-    assert wait_until(lambda: any(m.get("branches") == 4 for m in _events(client, tasks.PREFILL_TOPIC, t0)))
-    [ev] = [m for m in _events(client, tasks.PREFILL_TOPIC, t0) if m.get("branches")]
+    assert wait_until(lambda: any(m.get("branches") == 4 for m in _events(client, PREFILL_TOPIC, t0)))
+    [ev] = [m for m in _events(client, PREFILL_TOPIC, t0) if m.get("branches")]
     assert ev["new_tokens"] == sum(len(s) for s in sufs) and ev["worker"] == a
     assert list(ev["state_ids"]) == [g.state.state_id for g in gens]
 

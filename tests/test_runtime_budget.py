@@ -5,8 +5,8 @@ import time
 from conftest import CONTEXT, SUFFIXES, make_engine
 
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
-from daskflow_kv.plugins.kv_scheduler import short_key
+from daskflow_kv.transport.serialization import _SIZEOF_OVERHEAD
+from daskflow_kv.keys import short_key
 
 NEW = 4
 

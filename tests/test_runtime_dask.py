@@ -15,9 +15,9 @@ from daskflow_kv.policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillP
 from daskflow_kv.errors import IncompatibleStateError, StateReleasedError
 from daskflow_kv.state.catalog import ARROW_COLUMNS
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from daskflow_kv.runtime.serialization import _SIZEOF_OVERHEAD
-from daskflow_kv.runtime.tasks import PREFILL_TOPIC
-from daskflow_kv.plugins.kv_scheduler import short_key
+from daskflow_kv.transport.serialization import _SIZEOF_OVERHEAD
+from daskflow_kv.keys import PREFILL_TOPIC
+from daskflow_kv.keys import short_key
 
 EVENTS = "daskflow-kv"
 NEW = 6  # tokens generated per branch

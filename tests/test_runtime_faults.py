@@ -9,7 +9,7 @@ from conftest import CONTEXT, SUFFIXES, make_engine
 from distributed import Event
 
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from daskflow_kv.plugins.kv_scheduler import short_key
+from daskflow_kv.keys import short_key
 
 NEW = 5
 

@@ -1,4 +1,4 @@
-"""Zero-copy torch tensor serialization and sizeof (daskflow_kv.runtime.serialization)."""
+"""Zero-copy torch tensor serialization and sizeof (daskflow_kv.transport.serialization)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,8 @@ from distributed.protocol import (
 )
 from distributed.protocol.serialize import dask_serialize
 
-from daskflow_kv.runtime.serialization import (
-    TorchSerializationPlugin,
-    register_torch_serialization,
-    serialize_torch_tensor,
-)
+from daskflow_kv.plugins.worker import TorchSerializationPlugin
+from daskflow_kv.transport.serialization import register_torch_serialization, serialize_torch_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 

@@ -86,7 +86,7 @@ def test_workflow_on_slurm_jobs_matches_text_mode(setup):
     where = check.Placements()
     jobs = {job for job, _ in where.refresh(client).values()}
     assert len(jobs) == 2 and "?" not in jobs  # each worker is its own Slurm job
-    assert all(client.run(lambda: "daskflow_kv.runtime.serialization" in __import__("sys").modules).values())
+    assert all(client.run(lambda: "daskflow_kv.transport.serialization" in __import__("sys").modules).values())
     assert "daskflow-kv" in cluster.scheduler.plugins
     rt = KVRuntime(client, "tiny-llama", block_size=16, namespace="test-both")
     cmp = Comparison(run_state_mode(check._compiled(wf, rt), rt), text)

@@ -12,7 +12,7 @@ import dask
 import pytest
 from distributed import Client
 
-from daskflow_kv.plugins.kv_scheduler import short_key
+from daskflow_kv.keys import short_key
 from daskflow_kv.plugins.tenants import AccessDenied
 from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime

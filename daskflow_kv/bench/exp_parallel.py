@@ -22,7 +22,7 @@ from pathlib import Path
 
 import dask
 
-from ..runtime.tasks import PREFILL_TOPIC
+from ..keys import PREFILL_TOPIC
 from . import experiments as E
 from . import systems as S
 from .common import Progress, log, write_csv

@@ -315,7 +315,7 @@ def _agreement_for(chk: Check, dtype: str) -> dict:
 
 
 def phase_exactness(chk: Check) -> dict:
-    from ..runtime import frame_counts as fc
+    from ..transport import frame_counts as fc
 
     chk.ensure("ucx")
     before = chk.counts()
@@ -391,7 +391,7 @@ def _block_rows(chk: Check) -> list[dict]:
 
 
 def phase_transfer(chk: Check) -> dict:
-    from ..runtime import frame_counts as fc
+    from ..transport import frame_counts as fc
 
     chk.ensure("ucx")
     before = chk.counts()
@@ -449,7 +449,7 @@ def phase_workflow(chk: Check) -> dict:
 
 
 def phase_tcp(chk: Check) -> dict:
-    from ..runtime import frame_counts as fc
+    from ..transport import frame_counts as fc
 
     seconds = chk.start("tcp")
     before = chk.counts()
@@ -465,7 +465,7 @@ def phase_tcp(chk: Check) -> dict:
 
 
 def finish(chk: Check, status: str) -> int:
-    from ..runtime import frame_counts as fc
+    from ..transport import frame_counts as fc
 
     doc = chk.report.doc
     proto = gr.read_ucx_logs(chk.args.ucx_log_dir)

@@ -164,7 +164,7 @@ def _measure_links(rt, workers: list[str], probe: int) -> dict[str, float]:
 
 def _start_worker(scheduler: str, host: str, name: str, memory_limit: str, ns: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "1", "--nworkers", "1",
-           "--memory-limit", memory_limit, "--preload", "daskflow_kv.runtime.serialization", "--host", host,
+           "--memory-limit", memory_limit, "--preload", "daskflow_kv.transport.serialization", "--host", host,
            "--no-dashboard", "--name", name]
     if ns:
         cmd = ["ip", "netns", "exec", ns, *cmd]

@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..runtime import tasks
+from ..keys import PREFILL_TOPIC, holds_kv
 from . import local_engine as le
 from . import worker_tasks as wt
 from .router import CacheAwareRouter
@@ -287,11 +287,11 @@ def made_at(events: list[dict]) -> list[float]:
 
 
 def prefill_events(client, since: float, need: str | None = None, timeout: float = 5.0) -> list[dict]:
-    """Prefill timings the workers reported (runtime.tasks.PREFILL_TOPIC) that ended after
+    """Prefill timings the workers reported (keys.PREFILL_TOPIC) that ended after
     ``since`` (their own wall clock), waiting until the event of state ``need`` is in."""
     deadline = time.time() + timeout
     while True:
-        evs = [e for _, e in client.get_events(tasks.PREFILL_TOPIC)
+        evs = [e for _, e in client.get_events(PREFILL_TOPIC)
                if e.get("op") != "calibrate" and e.get("done_at", 0.0) >= since]
         mine = [e for e in evs if e["state_id"] == need]
         # a parallel materialize reports once per chunk: wait for all of them
@@ -341,7 +341,7 @@ def measured_run(b: Bench, system: str, wl: Workload, sample_memory: bool = True
     moved = 0
     for entries in logs.values():
         for e in entries:
-            moved += sum(v for k, v in e["keys"].items() if k.startswith(wt.KV_KEY_PREFIXES))
+            moved += sum(v for k, v in e["keys"].items() if holds_kv(k))
     run.bytes_transferred = moved
     run.memory = mem
     if system.startswith("dkv"):

@@ -23,9 +23,9 @@ import time
 import torch
 
 from ..dask_internals import clear_incoming_transfers, in_memory, incoming_transfers
+from ..keys import holds_kv
 from ..runtime import tasks
 
-KV_KEY_PREFIXES = ("kvblock-", "kvreplica-", "kvprefill-")  # Dask keys that hold KV tensors
 
 
 def _worker_address() -> str:
@@ -149,13 +149,13 @@ def _kv_bytes(dask_worker) -> int:
     data = in_memory(dask_worker)
     for _ in range(5):  # the worker's loop mutates the dict; retry a torn iteration
         try:
-            keys = [k for k in list(data.keys()) if str(k).startswith(KV_KEY_PREFIXES)]
+            held = [k for k in list(data.keys()) if holds_kv(k)]
             break
         except RuntimeError:
             continue
     else:
         return 0
-    for key in keys:
+    for key in held:
         try:
             value = data[key]
         except KeyError:  # freed meanwhile

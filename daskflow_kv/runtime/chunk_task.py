@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..model.runner import RunOutput
 from ..state.blocks import aligned_floor
-from .handoff import ALONE, DONE, FAILED, MAILBOX, Channel, Patience, PeerLost
+from ..plugins.handoff import ALONE, DONE, FAILED, MAILBOX, Channel, Patience, PeerLost
 from .tasks import ModelSpec, PrefillOutput, _output, _report, _worker_address, get_runner
 
 logger = logging.getLogger("daskflow_kv.handoff")

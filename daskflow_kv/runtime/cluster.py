@@ -5,7 +5,7 @@ The KV plugin loads the same way everywhere: as a scheduler preload
 (``daskflow_kv.plugins.kv_scheduler``, the module ``dask scheduler --preload`` takes), and
 ``KVRuntime`` registers it again idempotently through ``Client.register_plugin`` for
 clusters started without it. Workers preload the tensor serializers
-(``daskflow_kv.runtime.serialization``); ``KVRuntime`` also installs them as a worker plugin.
+(``daskflow_kv.transport.serialization``); ``KVRuntime`` also installs them as a worker plugin.
 
 The Active Memory Manager keeps running (it still trims replicas of ordinary keys) but with
 ``KVAwareReduceReplicas`` in place of ``ReduceReplicas``, so it never drops a KV block
@@ -91,10 +91,9 @@ def connect(address: str, timeout: str | float = "10s", security=None, **client_
     validation.scheduler_reachable("scheduler address", address)
     client = Client(address, timeout=timeout, security=security, **client_kwargs)
     from ..plugins.kv_scheduler import KVSchedulerPlugin
-    from .serialization import TorchSerializationPlugin
+    from ..transport import serialization  # noqa: F401  -- registers the tensor serializers here
 
-    client.register_plugin(TorchSerializationPlugin())
-    client.register_plugin(KVSchedulerPlugin())
+    client.register_plugin(KVSchedulerPlugin())  # installs the worker plugins too
     return client
 
 

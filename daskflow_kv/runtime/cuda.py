@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import dask
 
-from . import frame_counts
+from ..transport import frame_counts
 from .preloads import WORKER_PRELOAD, kv_dask_config, scheduler_options
 
 GPU_EXTRA = "pip install 'daskflow-kv[gpu-cu13]' (CUDA 13) or 'daskflow-kv[gpu-cu12]' (CUDA 12)"

@@ -20,7 +20,6 @@ A mixin of ``KVRuntime``: it uses the runtime's client, keys, view and ``_publis
 
 from __future__ import annotations
 
-import secrets
 from collections import deque
 from dataclasses import replace
 
@@ -28,6 +27,7 @@ import dask
 from distributed import fire_and_forget
 
 from .. import config, validation
+from ..keys import PERSIST, STORE_LOAD, task_key
 from ..policy.cost_model import NeedsCalibration
 from ..policy.placement import holder_of
 from ..policy.store_read import (
@@ -39,7 +39,8 @@ from ..policy.store_read import (
 )
 from ..state.blocks import chain_keys
 from ..store.kv_store import open_store
-from . import store_io, tasks
+from ..store import worker_io as store_io
+from . import tasks
 
 WRITE_OPS = ("materialize", "extend", "merge")  # states whose blocks "materialize-only" writes
 
@@ -75,7 +76,7 @@ class PersistentTier:
         for worker, rows in by_worker.items():
             reqs = [self._write_request(b["key"], b["start"], b["end"]) for b in rows]
             fut = self.client.submit(store_io.persist_blocks, reqs, *[match.futures[b["key"]] for b in rows],
-                                     key=f"kvpersist-{secrets.token_hex(8)}", workers=[worker] if worker else None,
+                                     key=task_key(PERSIST), workers=[worker] if worker else None,
                                      allow_other_workers=True, priority=-10, pure=False)
             fire_and_forget(fut)
 
@@ -154,7 +155,7 @@ class PersistentTier:
                 "kv_out": decision.nbytes}
         with dask.annotate(kv=note):
             out = self.client.submit(store_io.load_blocks, self.store.url, keys,
-                                     key=f"kvstoreload-{sid}-{secrets.token_hex(8)}",
+                                     key=task_key(STORE_LOAD, sid),
                                      workers=[target] if target else None, pure=False)
         summary = self.client.submit(store_io.load_summary, out, workers=[target] if target else None,
                                      allow_other_workers=True, pure=False).result()

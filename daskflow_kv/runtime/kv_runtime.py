@@ -27,6 +27,7 @@ import dask
 from distributed import Client, Future, wait
 
 from .. import config, validation
+from ..keys import PREFILL, REPLICA, RESULT, task_key
 from ..dask_internals import hold_futures
 from .session import login
 from ..model.text_codec import TextCodec
@@ -48,11 +49,8 @@ from ..model.sampling import GREEDY, SamplingParams
 from . import parallel_materialize, tasks
 from ..policy.placement import POLICIES, ClusterView, Placement, batch_seconds, plan_placements, read_blocks
 from .handles import DistGeneration, DistKVState, _Match
-from .handoff import HandoffPlugin
 from .kv_persistence import PersistentTier
-from .kv_worker import KVWorkerPlugin
-from .tasks import task_key as _task_key
-from .serialization import TorchSerializationPlugin
+from ..transport import serialization  # noqa: F401  -- this client reads tensors (logits) too
 
 
 class KVRuntime(PersistentTier, TextCodec):
@@ -79,7 +77,6 @@ class KVRuntime(PersistentTier, TextCodec):
         ``kv_store_write``: all | materialize-only | off (default ``daskflow-kv.store.write``)."""
         from ..model.zoo.loader import load_tokenizer
         from ..model.zoo.names import check_model
-        from ..plugins.kv_dashboard import KVDashboardPlugin
         from ..plugins.kv_scheduler import KVSchedulerPlugin
 
         validation.instance("client", client, Client)
@@ -92,12 +89,9 @@ class KVRuntime(PersistentTier, TextCodec):
         self._init_store(kv_store, kv_store_write)
         self.client = client
         self.spec = tasks.ModelSpec(model, dtype, block_size, config.get("namespace", namespace), device)
-        client.register_plugin(TorchSerializationPlugin())
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
+        # It installs the worker plugins and the KV page itself (plugins/kv_scheduler.py).
         client.register_plugin(KVSchedulerPlugin())
-        client.register_plugin(KVDashboardPlugin())  # /kv page, its JSON, KV series in /metrics
-        client.register_plugin(KVWorkerPlugin())  # spilled blocks and store I/O, reported by workers
-        client.register_plugin(HandoffPlugin())  # the worker-to-worker channel of parallel materialize
         self.session = login(client, self.spec.namespace, secret)
         if kv_budget_bytes is not None or memory_weight is not None:  # explicit arguments win over config
             self.configure(kv_budget_bytes=config.get_bytes("kv-budget", kv_budget_bytes), memory_weight=memory_weight)
@@ -286,13 +280,13 @@ class KVRuntime(PersistentTier, TextCodec):
 
     def _prefill_task(self, req: tasks.PrefillRequest, inputs, worker, reads=(), placement=None,
                       predicted_s=None) -> Future:
-        return self._compute_task(tasks.prefill, req, inputs, _task_key(f"kvprefill-{req.op}", req.state_id), req.op,
+        return self._compute_task(tasks.prefill, req, inputs, task_key(PREFILL, req.op, req.state_id), req.op,
                                   req.state_id, worker, reads, placement, predicted_s=predicted_s)
 
     def _batch_task(self, breq: tasks.BatchPrefillRequest, inputs, worker, reads=(), placement=None,
                     predicted_s=None) -> Future:
         """One ``prefill_batch`` for several branches of one prefix on one worker."""
-        return self._compute_task(tasks.prefill_batch, breq, inputs, _task_key(f"kvprefill-{breq.op}", breq.batch_id),
+        return self._compute_task(tasks.prefill_batch, breq, inputs, task_key(PREFILL, breq.op, breq.batch_id),
                                   breq.op, breq.batch_id, worker, reads, placement, predicted_s=predicted_s,
                                   branches=[r.state_id for r in breq.requests])
 
@@ -351,7 +345,7 @@ class KVRuntime(PersistentTier, TextCodec):
                                  predicted_s=predicted)
         n = len(split_spans(aligned_floor(held, self.block_size), len(tokens), self.block_size))
         return tuple(own) + tuple(self._submit_near(worker, tasks.take_block, out, i,
-                                                    key=_task_key(f"kvreplica-{sid}", i)) for i in range(n))
+                                                    key=task_key(REPLICA, sid, i)) for i in range(n))
 
     def materialize(self, tokens: Sequence[int] | str, worker: str | None = None, parallel: int | str | None = None
                     ) -> DistKVState:
@@ -513,17 +507,17 @@ class KVRuntime(PersistentTier, TextCodec):
                 [i] = idxs
                 outputs[i] = self._prefill_task(reqs[i], inputs, p.worker, reads, p, predicted)
                 wanted.append((idxs, self._submit_near(p.worker, tasks.take_result, outputs[i],
-                                                       key=_task_key("kvresult", sids[i]))))
+                                                       key=task_key(RESULT, sids[i]))))
                 continue
             first = next((plans[i][1] for i in idxs if plans[i][1].first), p)  # carries the destination's decision
             breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{sids[idxs[0]]}")
             out = self._batch_task(breq, inputs, p.worker, reads, first, predicted)
             for j, i in enumerate(idxs):
                 outputs[i] = self._submit_near(p.worker, tasks.take_branch, out, j,
-                                               key=_task_key("kvprefill-branch", sids[i]))
+                                               key=task_key(PREFILL, "branch", sids[i]))
             # One small-results task per batch, not one per branch (each is a scheduler round trip).
             wanted.append((idxs, self._submit_near(p.worker, tasks.take_batch_results, out,
-                                                   key=_task_key("kvresult-batch", sids[idxs[0]]))))
+                                                   key=task_key(RESULT, "batch", sids[idxs[0]]))))
             del out  # the branch outputs hold the batch now; Dask frees it once they are computed
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
         results: list = [None] * len(plans)

@@ -15,12 +15,13 @@ import secrets
 from collections.abc import Sequence
 
 from .. import config, validation
+from ..keys import PREFILL, task_key
 from ..policy.cost_model import LinkProfile, PrefillProfile
 from ..policy.parallel_prefill import ParallelPlan, choose_parallelism
 from ..state.blocks import aligned_floor, split_spans
 from . import tasks
 from .chunk_task import ChunkRequest, prefill_chunk
-from .handoff import Patience
+from ..plugins.handoff import Patience
 
 
 def width(parallel) -> str | int:
@@ -93,7 +94,7 @@ def submit(rt, p: ParallelPlan, tokens, reused: int, inputs, reads, sid: str, op
     for i, (worker, (s, e)) in enumerate(zip(p.workers, p.spans)):
         req = ChunkRequest(tuple(tokens[:end]), reused, p.spans, p.workers, i, group, patience(), op, sid)
         first = aligned_floor(s, rt.block_size)
-        out = rt._compute_task(prefill_chunk, req, inputs, tasks.task_key(f"kvprefill-{op}", f"{sid}-c{i}"), op, sid,
+        out = rt._compute_task(prefill_chunk, req, inputs, task_key(PREFILL, op, f"{sid}-c{i}"), op, sid,
                                worker, reads, kv_out=(e - first) * bpt, gang=group, gang_size=p.width, chunk=i)
         for j, span in enumerate(split_spans(first, e, rt.block_size)):
             sources.append((out, j))

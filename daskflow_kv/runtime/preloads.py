@@ -7,8 +7,8 @@ dashboard page, workers preload the tensor serializers, and the Active Memory Ma
 from __future__ import annotations
 
 SCHEDULER_PRELOAD = "daskflow_kv.plugins.kv_scheduler"
-DASHBOARD_PRELOAD = "daskflow_kv.plugins.kv_dashboard"
-WORKER_PRELOAD = "daskflow_kv.runtime.serialization"
+DASHBOARD_PRELOAD = "daskflow_kv.plugins.dashboard"
+WORKER_PRELOAD = "daskflow_kv.transport.serialization"
 KV_AMM_POLICY = "daskflow_kv.plugins.kv_scheduler.KVAwareReduceReplicas"
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,14 +25,14 @@ import torch
 from dask.sizeof import sizeof
 
 from .. import config
+from ..keys import PREFILL_TOPIC
 from ..model.runner import ModelRunner
 from ..model.sampling import GREEDY, SamplingParams
-from .serialization import register_torch_serialization, sizeof_torch_tensor
-from .store_io import WriteRequest, persist
+from ..transport.serialization import register_torch_serialization, sizeof_torch_tensor
+from ..store.worker_io import WriteRequest, persist
 
 register_torch_serialization()  # workers unpickle this module before any block arrives
 
-PREFILL_TOPIC = "daskflow-kv-prefill"  # worker -> scheduler timing events
 _LOAD_LOCK = threading.Lock()
 
 
@@ -131,15 +130,6 @@ def _sizeof_batch_prefill_output(out: BatchPrefillOutput) -> int:
 @sizeof.register(GenerationResult)
 def _sizeof_generation_result(res: GenerationResult) -> int:
     return (0 if res.logits is None else sizeof_torch_tensor(res.logits)) + 64 + 8 * len(res.generated)
-
-
-def task_key(kind: str, ident) -> str:
-    """Key of a task whose result holds K/V (a prefill's output, a replica block).
-
-    Dask serves any key to any client that names it; the random tail keeps these from being
-    named by whoever read the state id in an event or on the dashboard.
-    """
-    return f"{kind}-{ident}-{secrets.token_hex(8)}"
 
 
 def _default_device(spec: ModelSpec) -> str:

@@ -24,6 +24,8 @@ import hmac
 from dataclasses import dataclass
 from typing import Sequence
 
+from .. import keys as key_names
+
 _ROOT = "root"  # the parent key of a state's first block
 
 
@@ -46,7 +48,7 @@ def block_key(fingerprint_digest: str, parent_key: str | None, token_ids: Sequen
     h.update(fingerprint_digest.encode())
     h.update((parent_key or _ROOT).encode())
     h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
-    return f"kvblock-{h.hexdigest()}"
+    return key_names.block_key(h.hexdigest())
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,15 @@ fork is a few hundred bytes however long the context.
 from __future__ import annotations
 
 import itertools
-import uuid
 from dataclasses import dataclass, field, replace
 
+from .. import keys
 from .blocks import BlockRef
 from .fingerprint import Fingerprint
 
 
 def new_state_id(op: str) -> str:
-    return f"kvstate-{op}-{uuid.uuid4().hex[:12]}"
+    return keys.state_id(op)
 
 
 @dataclass(frozen=True, slots=True)

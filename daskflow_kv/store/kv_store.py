@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import config
+from ..keys import block_key
 from .backends import TMP_MARK, Entry, open_backend
 from .codec import CorruptBlockError, decode, encode, header_length, read_manifest
 from .manifest import BlockManifest, check_key
@@ -202,7 +203,7 @@ class KVStore:
         write, read, verify, decode. The object is deleted afterwards."""
         import secrets
 
-        key = f"kvblock-{secrets.token_hex(16)}"
+        key = block_key(secrets.token_hex(16))
         path = f"{LAYOUT}/probe/{key}{SUFFIX}"
         t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         t0 = time.perf_counter()

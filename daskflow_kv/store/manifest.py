@@ -12,8 +12,10 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
+from .. import keys
+
 FORMAT = "daskflow-kv/block/v1"
-KEY_RE = re.compile(r"^kvblock-[0-9a-f]{32}$")  # state.blocks.block_key; also a safe file name
+KEY_RE = re.compile(rf"^{keys.BLOCK}-[0-9a-f]{{32}}$")  # state.blocks.block_key; also a safe file name
 
 
 def check_key(key) -> str:

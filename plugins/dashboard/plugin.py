@@ -25,7 +25,7 @@ when tenants are configured, since a full key fetches K/V) and, where present, i
 catalog's states and its event log; the page shows "not loaded" until that plugin is there.
 
 Load with ``client.register_plugin(KVDashboardPlugin())`` or
-``dask scheduler --preload daskflow_kv.plugins.kv_dashboard``.
+``dask scheduler --preload daskflow_kv.plugins.dashboard``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.http.utils import RequestHandler
 from tornado.routing import PathMatches
 
-from . import kv_metrics
-from .kv_dashboard_data import collect
-from .kv_dashboard_render import PAGE, render_page, render_sections
-from .kv_metrics import kv_plugin, read_catalog
+from . import metrics as kv_metrics
+from .data import collect
+from .render import PAGE, render_page, render_sections
+from .metrics import kv_plugin, read_catalog
 
 logger = logging.getLogger("daskflow_kv.dashboard")
 
@@ -203,6 +203,6 @@ class KVDashboardPlugin(SchedulerPlugin):
 
 
 async def dask_setup(scheduler) -> None:
-    """Entry point for ``dask scheduler --preload daskflow_kv.plugins.kv_dashboard``."""
+    """Entry point for ``dask scheduler --preload daskflow_kv.plugins.dashboard``."""
     await scheduler.register_scheduler_plugin(KVDashboardPlugin(), name=PLUGIN_NAME, idempotent=True)
 

@@ -17,7 +17,6 @@ A mixin of ``KVSchedulerPlugin``.
 
 from __future__ import annotations
 
-REPORT_RPC = "kv_worker_report"
 
 
 class KVTiers:

@@ -26,17 +26,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import HOLD_WORKER, holds_kv, is_block, is_output
 from daskflow_kv.errors import KVBudgetError
 from daskflow_kv.policy.admission import ADMIT, FAIL, admit
 from daskflow_kv.policy.eviction import BlockUsage, choose_victims
 
 logger = logging.getLogger("daskflow_kv.scheduler")
 
-HOLD = "daskflow-kv://awaiting-admission"  # a worker that never exists: parks held tasks in no-worker
-REPLICA_PREFIX = "kvreplica-"  # a prefix rebuilt on a destination: KV, though not a cataloged block
-OUTPUT_PREFIX = "kvprefill-"  # a prefill's output: the new blocks' tensors, before they are cut into keys
-LOAD_PREFIX = "kvstoreload-"  # blocks read from the persistent store, before they are cut into keys
-OUTPUTS = (OUTPUT_PREFIX, LOAD_PREFIX)
 
 
 @dataclass(slots=True)
@@ -64,7 +60,8 @@ class Verdict(NamedTuple):
 class KVBudget:
     # -- accounting -------------------------------------------------------------------------------
     def _is_kv(self, key) -> bool:
-        return key in self.catalog.blocks or str(key).startswith((REPLICA_PREFIX, *OUTPUTS))
+        # cataloged blocks, replicas and outputs (a block key outside the catalog is nobody's)
+        return key in self.catalog.blocks or (holds_kv(key) and not is_block(key))
 
     def _held_bytes(self, ts, ws) -> int:
         """What ``ts`` adds to ``ws``'s KV *memory*. A block (or a batch's branch) cut from a
@@ -73,7 +70,7 @@ class KVBudget:
         if not self._is_kv(ts.key) or self.spilled_on(ts.key, ws.address):
             return 0
         for d in ts.dependencies:
-            if str(d.key).startswith(OUTPUTS) and ws in (d.who_has or ()):
+            if is_output(d.key) and ws in (d.who_has or ()):
                 return 0
         return ts.get_nbytes()
 
@@ -122,7 +119,7 @@ class KVBudget:
         if self.kv_budget_bytes is None:
             return False
         self._held[ts.key] = Held(target, int(out_bytes), namespace, time.time(), gang=gang, gang_size=int(gang_size))
-        di.pin(self.scheduler, ts, HOLD)
+        di.pin(self.scheduler, ts, HOLD_WORKER)
         return True
 
     def _admission_transition(self, key, start: str, finish: str) -> None:

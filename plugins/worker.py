@@ -1,4 +1,9 @@
-"""The worker plugin that tells the scheduler what only workers know about KV blocks.
+"""The worker plugins a KV cluster needs, one per concern; the scheduler plugin installs them.
+
+``TorchSerializationPlugin``: every worker registers the zero-copy tensor serializers and
+``sizeof`` (``daskflow_kv.transport.serialization``) before any block reaches it.
+
+``KVWorkerPlugin`` tells the scheduler what only workers know about KV blocks:
 
 * which blocks Dask has spilled to disk (the worker's SpillBuffer), so the catalog shows
   their tier and the KV budget counts only blocks in memory;
@@ -9,6 +14,9 @@ Reports go every ``daskflow-kv.workers.report-interval``, only when something ch
 one RPC to the scheduler plugin (``kv_worker_report``): never through Dask's event log,
 which any client reads and which would hand out full block keys. When the worker closes,
 its pending store writes are drained first (``daskflow-kv.store.flush-timeout``).
+
+This module is imported by the scheduler (to pickle the plugins) and must not import torch:
+what needs it is imported in ``setup``, on the worker.
 """
 
 from __future__ import annotations
@@ -19,13 +27,23 @@ import logging
 from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
-from .. import config
-from .. import dask_internals as di
-from . import store_io
+from daskflow_kv import config
+from daskflow_kv.keys import REPORT_RPC, is_block
+from daskflow_kv import dask_internals as di
 
 logger = logging.getLogger("daskflow_kv.worker")
-BLOCK_PREFIX = "kvblock-"
-REPORT_RPC = "kv_worker_report"
+
+
+class TorchSerializationPlugin(WorkerPlugin):
+    """Makes every worker (present and future) register the tensor serializers."""
+
+    name = "daskflow-kv-torch-serialization"
+    idempotent = True  # registering it again (another Client, another workflow) is a no-op
+
+    def setup(self, worker) -> None:
+        from daskflow_kv.transport.serialization import register_torch_serialization
+
+        register_torch_serialization()
 
 
 class KVWorkerPlugin(WorkerPlugin):
@@ -33,17 +51,20 @@ class KVWorkerPlugin(WorkerPlugin):
     idempotent = True  # one per worker, whichever runtime registers it
 
     def setup(self, worker) -> None:
+        from daskflow_kv.store import worker_io
+
         self.worker = worker
+        self._io = worker_io  # the store's background writer in this process
         self._sent: list[str] | None = None  # spilled keys as last reported
         self._pc = PeriodicCallback(self.report, config.get_seconds("workers.report-interval") * 1000)
         self._pc.start()
 
     def spilled(self) -> list[str]:
-        return sorted(str(k) for k in di.spilled_keys(self.worker) if str(k).startswith(BLOCK_PREFIX))
+        return sorted(str(k) for k in di.spilled_keys(self.worker) if is_block(k))
 
     async def report(self) -> None:
         spilled = self.spilled()
-        events = store_io.take_reports()
+        events = self._io.take_reports()
         if spilled == self._sent and not events:
             return
         try:
@@ -55,7 +76,7 @@ class KVWorkerPlugin(WorkerPlugin):
 
     async def teardown(self, worker) -> None:
         self._pc.stop()
-        left = await asyncio.to_thread(store_io.drain, config.get_seconds("store.flush-timeout"))
+        left = await asyncio.to_thread(self._io.drain, config.get_seconds("store.flush-timeout"))
         if left:
             logger.warning("daskflow-kv: %d KV block writes were still pending when the worker closed", left)
         await self.report()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from .kv_dashboard_data import MAX_STATES, NODE_H, NODE_W, _short
-from .kv_dashboard_format import fmt_bytes, fmt_int
-from .kv_metrics import COUNTERS, metric_name
+from .data import MAX_STATES, NODE_H, NODE_W, _short
+from .format import fmt_bytes, fmt_int
+from .metrics import COUNTERS, metric_name
 
 OP_COLORS = {
     "materialize": "#2563eb", "fork": "#7c3aed", "resume": "#16a34a", "extend": "#0d9488", "merge": "#ea580c",

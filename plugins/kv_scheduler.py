@@ -45,30 +45,19 @@ from tornado.ioloop import PeriodicCallback
 
 from daskflow_kv import config
 from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import CACHE_CLIENT, EVENT_TOPIC, PLUGIN_NAME, PREFILL_TOPIC, REPORT_RPC, is_block, is_placed, short_key
 from daskflow_kv.policy.cost_model import PrefillSample, fit_prefill_profile
 from daskflow_kv.state.catalog import KVCatalog, rows_to_arrow
 
+from .dashboard import KVDashboardPlugin
+from .handoff import HandoffPlugin
 from .kv_budget import KVBudget
 from .kv_client_api import KVClientAPI
-from .kv_tiers import REPORT_RPC, KVTiers
+from .kv_tiers import KVTiers
 from .tenants import TenantRegistry
+from .worker import KVWorkerPlugin, TorchSerializationPlugin
 
 logger = logging.getLogger("daskflow_kv.scheduler")
-
-CACHE_CLIENT = "daskflow-kv-cache"  # pseudo-client that keeps published blocks alive
-EVENT_TOPIC = "daskflow-kv"  # lifecycle events, visible through client.get_events
-PREFILL_TOPIC = "daskflow-kv-prefill"  # timings reported by workers (see runtime.tasks)
-PLUGIN_NAME = "daskflow-kv"
-BLOCK_PREFIX = "kvblock-"  # every content-addressed block key starts with it
-KV_TASK_PREFIXES = ("kvprefill-", BLOCK_PREFIX, "kvresult-", "kvreplica-", "kvstoreload-")  # placed by the plan
-
-
-def short_key(key: str) -> str:
-    """A KV key cut to its prefix and 8 hex digits: names it in logs, cannot fetch it."""
-    if not key or not key.startswith(KV_TASK_PREFIXES):
-        return key
-    return key[: key.rfind("-") + 9] + "…" if "-" in key else key
-
 
 def public_event(event: dict) -> dict:
     """An event as Dask's event log (readable by any client) gets it: keys cut short."""
@@ -92,7 +81,7 @@ class KVAwareReduceReplicas(ReduceReplicas):
             except StopIteration:
                 return
             sent = None
-            if not str(suggestion.ts.key).startswith(BLOCK_PREFIX):
+            if not is_block(suggestion.ts.key):
                 sent = yield suggestion
 
 
@@ -147,6 +136,11 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, KVTiers, SchedulerPlugin):
         di.add_handlers(scheduler, self.client_handlers())
         di.add_handlers(scheduler, {REPORT_RPC: self.handle_worker_report})  # from workers, no session
         di.replace_amm_policy(scheduler, ReduceReplicas, KVAwareReduceReplicas())
+        # What a KV cluster needs besides this plugin, installed from here whatever started the
+        # cluster: the workers' serializers, reports and hand-off channel, and the KV page.
+        for plugin in (TorchSerializationPlugin(), KVWorkerPlugin(), HandoffPlugin()):
+            await di.install_worker_plugin(scheduler, plugin)
+        await scheduler.register_scheduler_plugin(KVDashboardPlugin(), name=KVDashboardPlugin.name, idempotent=True)
         self._pc = PeriodicCallback(self._tick, self.evict_interval * 1000)
         self._pc.start()
 
@@ -182,7 +176,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, KVTiers, SchedulerPlugin):
         if published:
             di.want(scheduler, published, CACHE_CLIENT)
         # Planned for a worker that died since the client looked: let Dask place them.
-        self._loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if str(k).startswith(KV_TASK_PREFIXES))
+        self._loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if is_placed(k))
 
     def _loosen_dead_restrictions(self, task_states) -> list:
         """Loosen strict restrictions naming only workers that are gone; -> keys stuck in no-worker."""
@@ -316,7 +310,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, KVTiers, SchedulerPlugin):
         self._admit_pending = True  # parked tasks planned there go elsewhere
         stimulus = f"kv-worker-lost-{time.time()}"
         stuck = self._loosen_dead_restrictions(ts for k, ts in list(scheduler.tasks.items())
-                                               if str(k).startswith(KV_TASK_PREFIXES))
+                                               if is_placed(k))
         if stuck:
             di.reschedule(scheduler, stuck, stimulus)
         # Blocks only the cache wanted are not worth recomputing now; they stay in lineage
@@ -345,7 +339,7 @@ class KVSchedulerPlugin(KVClientAPI, KVBudget, KVTiers, SchedulerPlugin):
         if not stuck_all or not di.has_running_worker(s):
             return
         stuck = [ts for ts in stuck_all
-                 if str(ts.key).startswith(KV_TASK_PREFIXES) and ts.loose_restrictions and ts.worker_restrictions
+                 if is_placed(ts.key) and ts.loose_restrictions and ts.worker_restrictions
                  and not any(w in s.workers for w in ts.worker_restrictions)]
         if stuck:
             di.reschedule(s, [ts.key for ts in stuck], stimulus_id)

@@ -44,10 +44,12 @@ import threading
 import weakref
 from collections import Counter
 
+from daskflow_kv import keys
+
 logger = logging.getLogger("daskflow_kv.metrics")
 
 PREFIX = "daskflow_kv_"
-KV_PLUGIN_NAME = "daskflow-kv"  # KVSchedulerPlugin.name
+KV_PLUGIN_NAME = keys.PLUGIN_NAME  # KVSchedulerPlugin.name
 
 # Page counter name -> (help text, prometheus type). Counters get "_total" appended.
 COUNTERS = {

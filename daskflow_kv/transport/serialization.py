@@ -25,8 +25,8 @@ path it took (device buffer or host bytes): the evidence that GPU-to-GPU moves o
 never stage through host memory (``frame_counts.host_path_taken``).
 
 Registration must happen in *every* process that sends or receives tensors (client,
-workers).  Importing this module registers; workers get it through
-``client.register_plugin(TorchSerializationPlugin())`` (or ``--preload`` of this module).
+workers).  Importing this module registers; workers get it through the scheduler plugin's
+``plugins.worker.TorchSerializationPlugin`` (or ``--preload`` of this module).
 A process without it falls back to distributed's defaults, which cannot read our header.
 """
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import distributed.protocol.torch  # noqa: F401  -- must precede our registration, see below
 import torch
 from dask.sizeof import sizeof
-from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
@@ -46,7 +45,7 @@ try:  # optional: only GPU installs have CuPy
 except ImportError:  # pragma: no cover - depends on the install
     cupy = None
 
-__all__ = ["register_torch_serialization", "TorchSerializationPlugin", "sizeof_torch_tensor"]
+__all__ = ["register_torch_serialization", "sizeof_torch_tensor"]
 
 _SIZEOF_OVERHEAD = 64  # bytes for the Python object + TensorImpl; small and constant
 
@@ -187,21 +186,6 @@ def register_torch_serialization() -> None:
         cuda_serialize.register(torch.Tensor, cuda_serialize_torch_tensor)
         cuda_deserialize.register(torch.Tensor, cuda_deserialize_torch_tensor)
     sizeof.register(torch.Tensor, sizeof_torch_tensor)
-
-
-class TorchSerializationPlugin(WorkerPlugin):
-    """Makes every worker (present and future) register the tensor serializers.
-
-    Unpickling this plugin on a worker imports this module, which already registers;
-    ``setup`` registers again explicitly in case something re-registered in between.
-    Use: ``client.register_plugin(TorchSerializationPlugin())``.
-    """
-
-    name = "daskflow-kv-torch-serialization"
-    idempotent = True  # registering it again (another Client, another workflow) is a no-op
-
-    def setup(self, worker) -> None:
-        register_torch_serialization()
 
 
 register_torch_serialization()

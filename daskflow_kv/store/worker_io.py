@@ -11,7 +11,8 @@ Loads are ordinary tasks (``load_blocks``) on the worker that needs the blocks; 
 publishes each loaded block under its key with ``tasks.take_block``, as for a prefill.
 
 What happened (writes, loads, corrupt objects) is queued here and sent to the scheduler
-plugin by ``kv_worker.KVWorkerPlugin``; a direct call outside a worker just queues it.
+plugin by ``plugins.worker.KVWorkerPlugin``; a direct call outside a worker just queues it.
+Runs inside Dask workers (it asks ``distributed`` for its worker's address).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 from dask.sizeof import sizeof
 
 from .. import config
-from ..store.kv_store import open_store
-from .serialization import sizeof_torch_tensor
+from .kv_store import open_store
+from ..transport.serialization import sizeof_torch_tensor
 
 logger = logging.getLogger("daskflow_kv.store")
 _REPORTS: deque[dict] = deque(maxlen=100_000)  # events for the scheduler, oldest first

@@ -12,7 +12,7 @@ import math
 import time
 from collections import Counter, defaultdict
 
-from .kv_metrics import COUNTERS, kv_plugin, metric_name, read_catalog, read_counters
+from .metrics import COUNTERS, kv_plugin, metric_name, read_catalog, read_counters
 
 MAX_STATES = 40  # states listed in the table (newest first)
 MAX_NODES = 48  # states drawn in the lineage graph (newest, whole families)

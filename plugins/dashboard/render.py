@@ -19,8 +19,8 @@ import jinja2
 
 from daskflow_kv import config
 
-from . import kv_dashboard_view as view
-from .kv_dashboard_format import fmt_bytes, fmt_clock, fmt_int, fmt_s, fmt_time
+from . import view
+from .format import fmt_bytes, fmt_clock, fmt_int, fmt_s, fmt_time
 
 PAGE = "kv"  # route of the page, under the dashboard's prefix
 
@@ -37,7 +37,7 @@ FILTERS = {
 @functools.cache
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("daskflow_kv.plugins", "templates"),
+        loader=jinja2.PackageLoader("daskflow_kv.plugins.dashboard", "templates"),
         autoescape=True,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -1,0 +1,113 @@
+"""Every name daskflow-kv puts into Dask: key kinds, their constructors and parsers, topics.
+
+One vocabulary for the client, the workers, the scheduler plugin and the store (as the P2P
+shuffle's ``barrier_key`` / ``id_from_key``). A Dask key of ours is ``<kind>-<rest>``:
+
+=================  ==========================================================================
+``kvblock-…``      a content-addressed KV block (``state.blocks.block_key``): what the catalog
+                   lists, the budget evicts and the store persists
+``kvprefill-…``    a prefill's output: the new blocks' tensors before they are cut into keys
+                   (``kvprefill-branch-…``: one branch's, cut from a batched prefill's)
+``kvresult-…``     the small, tensor-free result of a prefill (tokens, metrics)
+``kvreplica-…``    a prefix rebuilt on the worker that reads it (a recompute plan)
+``kvstoreload-…``  blocks read from the persistent store, before they are cut into keys
+``kvpersist-…``    a low-priority task that queues store writes of blocks already in memory
+=================  ==========================================================================
+
+Torch-free and Dask-free: the scheduler plugin, the store and the dashboard import it.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+BLOCK = "kvblock"
+PREFILL = "kvprefill"
+RESULT = "kvresult"
+REPLICA = "kvreplica"
+STORE_LOAD = "kvstoreload"
+PERSIST = "kvpersist"
+STATE = "kvstate"  # a state id (not a Dask key): kvstate-<op>-<12 hex>
+
+KINDS = (BLOCK, PREFILL, RESULT, REPLICA, STORE_LOAD, PERSIST)
+# Kinds whose task the plan places (the plugin restricts, loosens and re-places them).
+PLACED = (PREFILL, BLOCK, RESULT, REPLICA, STORE_LOAD)
+# Kinds whose value holds K/V tensors on a worker (what the budget counts).
+HOLDS_KV = (BLOCK, PREFILL, REPLICA, STORE_LOAD)
+# Outputs other keys are cut from: a block cut from one shares its tensors while both are held.
+OUTPUTS = (PREFILL, STORE_LOAD)
+
+# Names on the wire.
+PLUGIN_NAME = "daskflow-kv"  # the scheduler plugin, in ``scheduler.plugins``
+EVENT_TOPIC = "daskflow-kv"  # lifecycle events in Dask's event log (keys cut short)
+PREFILL_TOPIC = "daskflow-kv-prefill"  # prefill timings workers report (no keys, no tokens)
+REPORT_RPC = "kv_worker_report"  # worker -> scheduler plugin: spilled blocks, store I/O
+CACHE_CLIENT = "daskflow-kv-cache"  # scheduler-side pseudo-client that keeps published blocks
+HOLD_WORKER = "daskflow-kv://awaiting-admission"  # a worker that never exists: parks held tasks
+
+
+def _prefixes(kinds) -> tuple[str, ...]:
+    return tuple(k + "-" for k in kinds)
+
+
+_PLACED = _prefixes(PLACED)
+_HOLDS_KV = _prefixes(HOLDS_KV)
+_OUTPUTS = _prefixes(OUTPUTS)
+
+
+# -- constructors -------------------------------------------------------------------------------
+def block_key(digest_hex: str) -> str:
+    """The Dask key of a block whose content address is ``digest_hex``."""
+    return f"{BLOCK}-{digest_hex}"
+
+
+def task_key(kind: str, *ident) -> str:
+    """Key of a task whose result holds K/V or a user's tokens: ``<kind>-<ident…>-<16 hex>``.
+
+    Dask serves any key to any client that names it; the random tail keeps these from being
+    named by whoever read a state id in an event or on the dashboard.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown key kind {kind!r}; expected one of {KINDS}")
+    parts = [kind, *(str(i) for i in ident if i not in (None, "")), secrets.token_hex(8)]
+    return "-".join(parts)
+
+
+def state_id(op: str) -> str:
+    return f"{STATE}-{op}-{secrets.token_hex(6)}"
+
+
+# -- parsers ------------------------------------------------------------------------------------
+def kind_of(key) -> str | None:
+    """The kind of one of our keys (``"kvblock"``...), None for any other key."""
+    k = str(key)
+    head = k.split("-", 1)[0]
+    return head if head in KINDS and len(k) > len(head) + 1 else None
+
+
+def is_block(key) -> bool:
+    return str(key).startswith(BLOCK + "-")
+
+
+def is_placed(key) -> bool:
+    """A task the plan places: its restriction is ours to loosen when its worker dies."""
+    return str(key).startswith(_PLACED)
+
+
+def holds_kv(key) -> bool:
+    """A key whose value holds K/V tensors (blocks, outputs, replicas)."""
+    return str(key).startswith(_HOLDS_KV)
+
+
+def is_output(key) -> bool:
+    """A prefill's or a store load's output, which blocks are cut from."""
+    return str(key).startswith(_OUTPUTS)
+
+
+def short_key(key) -> str:
+    """One of our keys cut to its kind, ident and 8 hex digits: names it in logs and on
+    pages, cannot fetch it. Other keys unchanged."""
+    k = "" if key is None else str(key)
+    if kind_of(k) is None:
+        return k
+    return k[: k.rfind("-") + 9] + "…"
