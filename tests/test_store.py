@@ -23,10 +23,15 @@ from daskflow_kv.store import maintenance as mt
 from daskflow_kv.store.backends import FsspecBackend, LocalDirBackend, open_backend
 from daskflow_kv.store.codec import CorruptBlockError, checksum, decode, encode, read_manifest
 from daskflow_kv.store.kv_store import KVStore, open_store
+from daskflow_kv.store.layout import SUFFIX, block_path
 from daskflow_kv.store.manifest import check_key
+from daskflow_kv.store.tenant import OPEN_TENANT, StoreTenant
 
 SHAPE = (2, 2, 3, 16, 8)  # layers, K/V, kv heads, tokens, head dim
 TOKENS = list(range(1000, 1016))  # what must never appear in a stored object's manifest
+PATH = "v2/open/blocks/xx/object.kvobj"  # the name an object is sealed to (codec tests)
+# The open tenant (no secret: unsealed, CRC-checked) and a sealed one (AES-256-GCM).
+TENANTS = {"open": OPEN_TENANT, "sealed": StoreTenant.derive("tests", "a secret")}
 
 
 def _key(i=0):
@@ -38,25 +43,27 @@ def _block(dtype=torch.float32, seed=0):
     return torch.randn(SHAPE, generator=g).to(dtype)
 
 
-def _stores(tmp_path):
+def _stores(tmp_path, tenant=OPEN_TENANT):
     """The same store API over each back end: a directory, fsspec file://, fsspec memory://."""
     return {
-        "dir": KVStore(LocalDirBackend(str(tmp_path / "dir"))),
-        "fsspec-file": KVStore(FsspecBackend(f"file://{tmp_path / 'fs'}")),
-        "memory": KVStore(FsspecBackend(f"memory://kv-test-{time.time_ns()}")),
+        "dir": KVStore(LocalDirBackend(str(tmp_path / "dir")), tenant),
+        "fsspec-file": KVStore(FsspecBackend(f"file://{tmp_path / 'fs'}"), tenant),
+        "memory": KVStore(FsspecBackend(f"memory://kv-test-{time.time_ns()}"), tenant),
     }
 
 
 # -- format --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tenant", TENANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_an_object_round_trips_exactly_and_its_manifest_has_no_tokens(dtype):
+def test_an_object_round_trips_exactly_and_its_manifest_has_no_tokens(dtype, tenant):
+    seal = {"path": PATH, "tenant": TENANTS[tenant]}
     t = _block(dtype)
-    data, m = encode(t, _key(), 64, 80, "fp-digest")
-    back, m2 = decode(data, _key())
+    data, m = encode(t, _key(), 64, 80, "fp-digest", **seal)
+    back, m2 = decode(data, _key(), **seal)
     assert back.dtype == dtype and torch.equal(back, t) and m2 == m
     assert (m.start, m.end, m.tokens, m.nbytes, m.shape) == (64, 80, 16, t.numel() * t.element_size(), SHAPE)
     assert m.checksum == checksum(t) and m.fingerprint == "fp-digest"
-    head = read_manifest(data[:2048], _key())  # the header alone is enough
+    head = read_manifest(data[:2048], _key(), **seal)  # the header alone is enough
     assert head == m
     text = json.loads(m.to_json())
     assert set(text) == {"key", "start", "end", "nbytes", "dtype", "shape", "checksum", "fingerprint", "created",
@@ -70,13 +77,17 @@ def test_keys_are_checked_before_they_become_object_names():
         with pytest.raises(ValueError):
             check_key(bad)
     with pytest.raises(ValueError):
-        KVStore.block_path("kvblock-../../x")
+        KVStore(LocalDirBackend("/nonexistent")).block_path("kvblock-../../x")
+    with pytest.raises(ValueError):
+        block_path("open", "kvblock-../../x")
 
 
+@pytest.mark.parametrize("tenant", TENANTS)
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "header", "empty", "other-key"])
-def test_damaged_objects_are_refused(damage):
+def test_damaged_objects_are_refused(damage, tenant):
+    seal = {"path": PATH, "tenant": TENANTS[tenant]}
     t = _block()
-    data, _ = encode(t, _key(), 0, 16, "fp")
+    data, _ = encode(t, _key(), 0, 16, "fp", **seal)
     if damage == "truncated":
         bad = data[: len(data) - 100]
     elif damage == "flipped":
@@ -88,15 +99,16 @@ def test_damaged_objects_are_refused(damage):
     elif damage == "empty":
         bad = b""
     else:
-        bad, _ = encode(t, _key(1), 0, 16, "fp")
+        bad, _ = encode(t, _key(1), 0, 16, "fp", **seal)
     with pytest.raises(CorruptBlockError):
-        decode(bad, _key())
+        decode(bad, _key(), **seal)
 
 
 # -- the store over every back end --------------------------------------------------------------
+@pytest.mark.parametrize("tenant", TENANTS)
 @pytest.mark.parametrize("backend", ["dir", "fsspec-file", "memory"])
-def test_put_get_leading_and_corruption_is_a_miss_then_deleted(tmp_path, backend):
-    store = _stores(tmp_path)[backend]
+def test_put_get_leading_and_corruption_is_a_miss_then_deleted(tmp_path, backend, tenant):
+    store = _stores(tmp_path, TENANTS[tenant])[backend]
     keys = [_key(i) for i in range(4)]
     blocks = [_block(seed=i) for i in range(4)]
     for i in (0, 1, 3):  # a gap at 2
@@ -134,7 +146,7 @@ def test_writes_are_atomic_and_concurrent_writers_of_one_block_are_harmless(tmp_
         try:
             start.wait()
             s = stores[i % 2]
-            data, _ = encode(t, key, 0, 16, "fp")
+            data, _ = encode(t, key, 0, 16, "fp", path=s.block_path(key), tenant=s.tenant)
             s.backend.write_atomic(s.block_path(key), data)  # bypasses the exists check: real races
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
@@ -146,7 +158,7 @@ def test_writes_are_atomic_and_concurrent_writers_of_one_block_are_harmless(tmp_
         th.join()
     assert not errors
     files = [f for _, _, fs in os.walk(root) for f in fs]
-    assert files == [f"{key}.safetensors"]
+    assert files == [f"{key}{SUFFIX}"]
     assert torch.equal(stores[0].get(key), t) and torch.equal(stores[1].get(key), t)
 
 
@@ -157,8 +169,9 @@ def test_open_backend_picks_the_local_directory_for_paths_and_file_urls(tmp_path
     assert open_store(str(tmp_path)) is open_store(str(tmp_path))  # one per URL and process
 
 
-def test_probe_measures_through_the_real_read_path_and_leaves_nothing(tmp_path):
-    store = KVStore(LocalDirBackend(str(tmp_path)))
+@pytest.mark.parametrize("tenant", TENANTS)
+def test_probe_measures_through_the_real_read_path_and_leaves_nothing(tmp_path, tenant):
+    store = KVStore(LocalDirBackend(str(tmp_path)), TENANTS[tenant])
     write_s, read_s = store.probe(1 << 20)
     assert write_s > 0 and read_s > 0
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs] == []

@@ -1,18 +1,25 @@
-"""The persistent KV store: blocks by content address, verified on every read.
+"""The persistent KV store: one tenant's blocks by content address, verified on every read.
 
-Layout under the store's root (``v1`` is the layout version)::
+Layout (``layout``)::
 
-    v1/blocks/<2 hex>/<key>.safetensors   one block: tensor + manifest (see codec)
-    v1/access/<2 hex>/<key>               empty; its mtime is the block's last read
-    v1/probe/...                          calibration objects, deleted after use
+    v2/<tenant dir>/blocks/<2 hex>/<key>.kvobj   one block: manifest + tensor, sealed (see codec)
+    v2/<tenant dir>/access/<2 hex>/<key>         empty; its mtime is the block's last read
+    v2/<tenant dir>/probe/...                    calibration objects, deleted after use
 
-The two hex digits fan keys out over 256 directories. Reads refresh the access mark at
-most once per ``touch_interval`` per process, so a hot block costs one small write an hour,
-and ``gc --older-than`` sees when a block was last *used*, not only when it was written.
+A ``KVStore`` is one tenant's view (``tenant.StoreTenant``): it reads, writes, lists and
+deletes only inside its tenant's directory, and opens only objects sealed with its key.
+Reads refresh the access mark at most once per ``touch_interval`` per process, so a hot
+block costs one small write an hour, and ``gc --older-than`` sees when a block was last
+*used*, not only when it was written.
 
-Misses are cheap and safe: an absent, truncated, altered or misnamed object is a miss
-(``get`` returns None), never a wrong tensor; a corrupt one is also deleted, so the block
-is written again the next time a worker computes it.
+Misses are cheap and safe: an absent, truncated, altered, misnamed or forged object (one
+another tenant wrote, or copied here from another name) is a miss (``get`` returns None),
+never a wrong tensor; such an object is also deleted, so the block is written again the
+next time a worker computes it.
+
+The ``v1`` layout (one directory for every tenant, objects in the clear) is not read by
+this version: nothing in it could be trusted. ``daskflow-kv store gc --all`` (an admin)
+removes it.
 """
 
 from __future__ import annotations
@@ -26,12 +33,11 @@ import torch
 
 from .. import config
 from ..keys import block_key
-from .backends import TMP_MARK, Entry, open_backend
+from . import layout
+from .backends import Entry, open_backend
 from .codec import CorruptBlockError, decode, encode, header_length, read_manifest
-from .manifest import BlockManifest, check_key
-
-LAYOUT = "v1"
-SUFFIX = ".safetensors"
+from .manifest import BlockManifest
+from .tenant import OPEN_TENANT, StoreTenant
 
 
 @dataclass(slots=True)
@@ -67,26 +73,26 @@ class ReadResult:
 
 
 class KVStore:
-    def __init__(self, backend, touch_interval: float | None = None):
+    def __init__(self, backend, tenant: StoreTenant = OPEN_TENANT, touch_interval: float | None = None):
+        if not isinstance(tenant, StoreTenant):
+            raise TypeError(f"a store's tenant is a StoreTenant, not {type(tenant).__name__}")
         self.backend = backend
         self.url = backend.url
+        self.tenant = tenant
+        self.root = layout.tenant_root(tenant.prefix)  # everything this view reads, writes or lists
         self.touch_interval = config.get_seconds("store.touch-interval", touch_interval)
         self.stats = StoreStats()
         self._touched: dict[str, float] = {}  # key -> when this process last refreshed its access mark
 
     def __repr__(self) -> str:
-        return f"KVStore({self.url!r})"
+        return f"KVStore({self.url!r}, tenant={self.tenant.prefix!r})"
 
     # -- layout -----------------------------------------------------------------------------
-    @staticmethod
-    def block_path(key: str) -> str:
-        check_key(key)
-        return f"{LAYOUT}/blocks/{key[8:10]}/{key}{SUFFIX}"
+    def block_path(self, key: str) -> str:
+        return layout.block_path(self.tenant.prefix, key)
 
-    @staticmethod
-    def access_path(key: str) -> str:
-        check_key(key)
-        return f"{LAYOUT}/access/{key[8:10]}/{key}"
+    def access_path(self, key: str) -> str:
+        return layout.access_path(self.tenant.prefix, key)
 
     # -- blocks -----------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -105,17 +111,19 @@ class KVStore:
         return n
 
     def put(self, tensor: torch.Tensor, key: str, start: int, end: int, fingerprint: str) -> BlockManifest | None:
-        """Write one block unless the store has it; its manifest, or None when skipped.
+        """Write one block unless the store has a copy whose header opens; its manifest, or
+        None when skipped.
 
-        Concurrent writers of one key are harmless: each publishes a complete object
-        atomically, with the same content (the key is a hash of what produced it).
+        An object there that does not open (another tenant's, or damaged) is replaced, not
+        trusted. Concurrent writers of one key are harmless: each publishes a complete
+        object atomically, with the same content (the key is a hash of what produced it).
         """
-        path = self.block_path(key)
-        if self.backend.exists(path):
+        if self.manifest(key) is not None:
             self.stats.add(skipped=1)
             return None
+        path = self.block_path(key)
         t0 = time.perf_counter()
-        data, manifest = encode(tensor, key, start, end, fingerprint)
+        data, manifest = encode(tensor, key, start, end, fingerprint, path=path, tenant=self.tenant)
         self.backend.write_atomic(path, data)
         self.stats.add(writes=1, bytes_written=manifest.nbytes, write_seconds=time.perf_counter() - t0)
         return manifest
@@ -123,16 +131,17 @@ class KVStore:
     def read(self, key: str) -> ReadResult:
         """The block with its manifest if the store holds a good copy; else why not.
 
-        ``status``: "hit", "miss" (absent) or "corrupt" (failed verification: deleted, so
-        the next worker that computes the block writes a good copy).
+        ``status``: "hit", "miss" (absent) or "corrupt" (failed verification or
+        authentication: deleted, so the next worker that computes the block writes a good copy).
         """
         t0 = time.perf_counter()
-        data = self.backend.read(self.block_path(key))
+        path = self.block_path(key)
+        data = self.backend.read(path)
         if data is None:
             self.stats.add(misses=1)
             return ReadResult("miss")
         try:
-            tensor, manifest = decode(data, key)
+            tensor, manifest = decode(data, key, path=path, tenant=self.tenant)
         except CorruptBlockError:
             self.stats.add(corrupt=1)
             self.discard(key)
@@ -143,20 +152,21 @@ class KVStore:
         return ReadResult("hit", tensor, manifest, seconds)
 
     def get(self, key: str) -> torch.Tensor | None:
-        """The block's tensor, or None: absent, truncated, altered or not this key's object."""
+        """The block's tensor, or None: absent, truncated, altered, forged or not this key's object."""
         return self.read(key).tensor
 
     def manifest(self, key: str) -> BlockManifest | None:
-        """The manifest alone, from the object's header (the tensor is not read)."""
+        """The manifest alone, from the object's header (the tensor is not read); None when
+        the object is absent or its header does not open for this tenant."""
         path = self.block_path(key)
         head = self.backend.read(path, 4096)
         if head is None:
             return None
         try:
-            n = header_length(head)
+            n = header_length(head, self.tenant)
             if n > len(head):
                 head = self.backend.read(path, n) or b""
-            return read_manifest(head, key)
+            return read_manifest(head, key, path=path, tenant=self.tenant)
         except CorruptBlockError:
             return None
 
@@ -177,59 +187,52 @@ class KVStore:
             pass
 
     # -- listings (maintenance) ---------------------------------------------------------------
-    def block_entries(self) -> Iterator[tuple[str, Entry]]:
-        """(key, listing entry) of every complete block object; no object is opened."""
-        for e in self.backend.walk(f"{LAYOUT}/blocks"):
-            name = e.path.rsplit("/", 1)[-1]
-            if TMP_MARK not in name and name.endswith(SUFFIX):
-                yield name.removesuffix(SUFFIX), e
+    def listing(self) -> tuple[list[layout.StoredBlock], list[Entry]]:
+        """(this tenant's blocks, its temporary files): two listings' worth, no object opened."""
+        return layout.sort_listing(self.backend.walk(self.root))
 
     def temp_entries(self) -> Iterator[Entry]:
-        """Writes in progress, or left behind by a writer that died."""
-        for e in self.backend.walk(f"{LAYOUT}/blocks"):
-            if TMP_MARK in e.path.rsplit("/", 1)[-1]:
-                yield e
-
-    def access_times(self) -> dict[str, float]:
-        """key -> last read (mtime of its access mark), for blocks read at least once."""
-        return {e.path.rsplit("/", 1)[-1]: e.mtime for e in self.backend.walk(f"{LAYOUT}/access")}
+        """Writes in progress, or left behind by a writer that died (this tenant's)."""
+        return iter(self.listing()[1])
 
     def delete_entry(self, entry: Entry) -> bool:
         return self.backend.delete(entry.path)
 
     # -- calibration --------------------------------------------------------------------------
     def probe(self, nbytes: int) -> tuple[float, float]:
-        """(write s, read s) of one ``nbytes`` object through the real path: encode, atomic
-        write, read, verify, decode. The object is deleted afterwards."""
+        """(write s, read s) of one ``nbytes`` object through the real path: encode and seal,
+        atomic write, read, open, verify, decode. The object is deleted afterwards."""
         import secrets
 
         key = block_key(secrets.token_hex(16))
-        path = f"{LAYOUT}/probe/{key}{SUFFIX}"
+        path = layout.probe_path(self.tenant.prefix, key)
         t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         t0 = time.perf_counter()
-        data, _ = encode(t, key, 0, 1, "probe")
+        data, _ = encode(t, key, 0, 1, "probe", path=path, tenant=self.tenant)
         self.backend.write_atomic(path, data)
         t1 = time.perf_counter()
-        decode(self.backend.read(path), key)
+        decode(self.backend.read(path), key, path=path, tenant=self.tenant)
         t2 = time.perf_counter()
         self.backend.delete(path)
         return t1 - t0, t2 - t1
 
 
-_OPEN: dict[str, KVStore] = {}
+_OPEN: dict[tuple[str, StoreTenant], KVStore] = {}
 _OPEN_LOCK = threading.Lock()
 
 
-def open_store(url: str, **storage_options) -> KVStore:
-    """The store at ``url`` (a directory, ``file://...``, ``s3://...``, ``memory://...``).
+def open_store(url: str, tenant: StoreTenant | None = None, **storage_options) -> KVStore:
+    """``tenant``'s view (default: the open tenant) of the store at ``url`` (a directory,
+    ``file://...``, ``s3://...``, ``memory://...``).
 
-    One object per URL and process (workers open it in every task that needs it).
+    One object per URL, tenant and process (workers open it in every task that needs it).
     """
     url = str(url)
+    tenant = OPEN_TENANT if tenant is None else tenant
     if storage_options:
-        return KVStore(open_backend(url, **storage_options))
+        return KVStore(open_backend(url, **storage_options), tenant)
     with _OPEN_LOCK:
-        store = _OPEN.get(url)
+        store = _OPEN.get((url, tenant))
         if store is None:
-            store = _OPEN[url] = KVStore(open_backend(url))
+            store = _OPEN[(url, tenant)] = KVStore(open_backend(url), tenant)
         return store

@@ -1,8 +1,12 @@
 """Looking after a store: what is in it (ls), how big it is (du), what to drop (gc).
 
 ``stale`` is the policy, a pure function of listings; the rest reads listings and acts.
-``ls`` opens only object headers (the manifest: span, size, dtype, checksum, fingerprint
-digest - never a token id); ``du`` and ``gc`` open nothing.
+Each tenant looks after its own directory (``scan``, ``listing``, ``gc`` on its
+``KVStore``): ``listing`` opens object headers with the tenant's key (the manifest: span,
+size, dtype, checksum, fingerprint digest - never a token id); ``du`` and ``gc`` open
+nothing. An admin looks after every tenant's directory and the legacy ``v1`` layout
+(``scan_all``, ``listing_all``, ``gc_all``) from listings alone: paths, sizes and times,
+the only things in a store that are not sealed.
 
 A block's age is the time since it was last *used*: its access mark (refreshed by reads)
 or, if it was never read, its write.
@@ -11,30 +15,30 @@ or, if it was never read, its write.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .backends import Entry
 from .kv_store import KVStore
+from .layout import LEGACY, StoredBlock, sort_listing
+from .tenant import VERSION
 
 TEMP_GRACE = 3600.0  # s: a temporary file this old belongs to a writer that died
 AGE_BUCKETS = ((86400.0, "< 1d"), (7 * 86400.0, "1-7d"), (30 * 86400.0, "7-30d"), (float("inf"), ">= 30d"))
 
-
-@dataclass(frozen=True, slots=True)
-class StoredBlock:
-    key: str
-    nbytes: int  # object bytes (tensor + header)
-    written: float  # unix time of the write
-    used: float  # unix time of the last read, or the write if never read
-
-    def age(self, now: float) -> float:
-        return max(0.0, now - self.used)
-
-
 def scan(store: KVStore) -> list[StoredBlock]:
-    """Every block with its size and times: two listings, no object opened."""
-    used = store.access_times()
-    return [StoredBlock(k, e.size, e.mtime, max(e.mtime, used.get(k, 0.0))) for k, e in store.block_entries()]
+    """The tenant's blocks with their sizes and times: listings only, no object opened."""
+    return store.listing()[0]
+
+
+def _everything(backend) -> tuple[list[StoredBlock], list[Entry]]:
+    """Every tenant's blocks and temporary files, and the legacy layout's."""
+    return sort_listing(e for top in (VERSION, LEGACY) for e in backend.walk(top))
+
+
+def scan_all(backend) -> list[StoredBlock]:
+    """Every tenant's blocks (and the legacy layout's), for an admin."""
+    return _everything(backend)[0]
 
 
 def stale(blocks: Iterable[StoredBlock], older_than: float, now: float) -> list[StoredBlock]:
@@ -44,30 +48,42 @@ def stale(blocks: Iterable[StoredBlock], older_than: float, now: float) -> list[
     age rarely leaves a suffix without its prefix; when it does, the suffix is simply
     never found again (lookups walk chains from their first block) and ages out too.
     """
-    return sorted((b for b in blocks if b.age(now) > older_than), key=lambda b: (b.used, b.key))
+    return sorted((b for b in blocks if b.age(now) > older_than), key=lambda b: (b.used, b.area, b.key))
 
 
-def usage(blocks: Iterable[StoredBlock], now: float) -> dict:
-    """Totals and an age histogram (by last use)."""
+def usage(blocks: Iterable[StoredBlock], now: float, by_area: bool = False) -> dict:
+    """Totals and an age histogram (by last use); with ``by_area`` also totals per tenant."""
     rows = list(blocks)
     hist = {label: {"blocks": 0, "bytes": 0} for _, label in AGE_BUCKETS}
     for b in rows:
         label = next(label for limit, label in AGE_BUCKETS if b.age(now) < limit)
         hist[label]["blocks"] += 1
         hist[label]["bytes"] += b.nbytes
-    return {
+    out = {
         "blocks": len(rows),
         "bytes": sum(b.nbytes for b in rows),
         "oldest_use": min((b.used for b in rows), default=None),
         "newest_use": max((b.used for b in rows), default=None),
         "by_last_use": hist,
     }
+    if by_area:
+        areas: dict[str, dict] = {}
+        for b in rows:
+            a = areas.setdefault(b.area, {"blocks": 0, "bytes": 0})
+            a["blocks"] += 1
+            a["bytes"] += b.nbytes
+        out["by_tenant"] = dict(sorted(areas.items()))
+    return out
+
+
+def _newest_first(blocks: list[StoredBlock], limit: int | None) -> list[StoredBlock]:
+    return sorted(blocks, key=lambda b: (-b.used, b.area, b.key))[:limit]
 
 
 def listing(store: KVStore, limit: int | None = None) -> list[dict]:
-    """One row per block, newest use first: its manifest (no tokens) and its times."""
+    """The tenant's blocks, newest use first: each manifest (no tokens) and its times."""
     rows = []
-    for b in sorted(scan(store), key=lambda b: (-b.used, b.key))[:limit]:
+    for b in _newest_first(scan(store), limit):
         m = store.manifest(b.key)
         row = {"key": b.key, "object_bytes": b.nbytes, "written": b.written, "used": b.used, "valid_header": m is not None}
         if m is not None:
@@ -75,6 +91,15 @@ def listing(store: KVStore, limit: int | None = None) -> list[dict]:
                        checksum=m.checksum, fingerprint=m.fingerprint, created=m.created)
         rows.append(row)
     return rows
+
+
+def listing_all(backend, limit: int | None = None, names: Mapping[str, str] | None = None) -> list[dict]:
+    """Every tenant's blocks, newest use first, from listings alone: whose directory (with the
+    namespace when ``names`` maps the directory to it), path, size, times. Nothing is opened."""
+    names = names or {}
+    return [{"tenant": b.area, "namespace": names.get(b.area), "key": b.key, "path": b.path,
+             "object_bytes": b.nbytes, "written": b.written, "used": b.used}
+            for b in _newest_first(scan_all(backend), limit)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +110,26 @@ class GCReport:
     kept: int  # blocks left
 
 
-def gc(store: KVStore, older_than: float, now: float | None = None, dry_run: bool = False) -> GCReport:
-    """Delete blocks unused for ``older_than`` seconds, and temporary files of dead writers."""
+def _collect(backend, blocks: list[StoredBlock], temps: list[Entry], older_than: float, now: float | None,
+             dry_run: bool) -> GCReport:
     now = time.time() if now is None else now
-    blocks = scan(store)
     victims = stale(blocks, older_than, now)
-    temps = [e for e in store.temp_entries() if now - e.mtime > TEMP_GRACE]
+    old_temps = [e for e in temps if now - e.mtime > TEMP_GRACE]
     if not dry_run:
         for b in victims:
-            store.discard(b.key)
-        for e in temps:
-            store.delete_entry(e)
-    return GCReport(len(victims), sum(b.nbytes for b in victims), len(temps), len(blocks) - len(victims))
+            backend.delete(b.path)
+            backend.delete(b.access)
+        for e in old_temps:
+            backend.delete(e.path)
+    return GCReport(len(victims), sum(b.nbytes for b in victims), len(old_temps), len(blocks) - len(victims))
+
+
+def gc(store: KVStore, older_than: float, now: float | None = None, dry_run: bool = False) -> GCReport:
+    """Delete the tenant's blocks unused for ``older_than`` seconds, and its dead writers'
+    temporary files. Nothing outside the tenant's directory is touched."""
+    return _collect(store.backend, *store.listing(), older_than, now, dry_run)
+
+
+def gc_all(backend, older_than: float, now: float | None = None, dry_run: bool = False) -> GCReport:
+    """``gc`` over every tenant's directory and the legacy ``v1`` layout (an admin's)."""
+    return _collect(backend, *_everything(backend), older_than, now, dry_run)

@@ -3,7 +3,9 @@
 A store may be shared by tenants, so the manifest holds nothing a prompt can be read
 back from: no token ids, no text. The key (HMAC-seeded per tenant, see
 ``state.blocks.keyed_digest``) names the block without revealing or allowing to guess its
-tokens; the span, shape and dtype are what a reader checks the tensor against.
+tokens; the span, shape and dtype are what a reader checks the tensor against. The rest
+(fingerprint digest, span, checksum) is sealed with the tensor for the tenant that wrote it
+(see ``codec``): another tenant cannot read it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 from .. import keys
 
-FORMAT = "daskflow-kv/block/v1"
+FORMAT = "daskflow-kv/block/v2"
 KEY_RE = re.compile(rf"^{keys.BLOCK}-[0-9a-f]{{32}}$")  # state.blocks.block_key; also a safe file name
 
 

@@ -10,6 +10,10 @@ the budget evicts (or Dask spills) the block meanwhile: eviction never loses a p
 Loads are ordinary tasks (``load_blocks``) on the worker that needs the blocks; the client
 publishes each loaded block under its key with ``tasks.take_block``, as for a prefill.
 
+Every entry point takes the tenant it acts for (``tenant.StoreTenant``: its directory and
+the key that seals its objects), inside the ``WriteRequest`` or as an argument. Left out,
+it is the open tenant (no secret: one trust domain, unsealed objects in ``v2/open``).
+
 What happened (writes, loads, corrupt objects) is queued here and sent to the scheduler
 plugin by ``plugins.worker.KVWorkerPlugin``; a direct call outside a worker just queues it.
 Runs inside Dask workers (it asks ``distributed`` for its worker's address).
@@ -30,6 +34,7 @@ from dask.sizeof import sizeof
 
 from .. import config
 from .kv_store import open_store
+from .tenant import OPEN_TENANT, StoreTenant
 from ..transport.serialization import sizeof_torch_tensor
 
 logger = logging.getLogger("daskflow_kv.store")
@@ -44,7 +49,8 @@ class WriteRequest:
     key: str  # the block's content address
     start: int  # token span, for the manifest
     end: int
-    fingerprint: str  # Fingerprint.digest of the model that made it
+    fingerprint: str  # Fingerprint.digest of the model that made it (sealed in the manifest)
+    tenant: StoreTenant = OPEN_TENANT  # whose: the directory it goes to, the key that seals it
 
 
 @dataclass(slots=True)
@@ -86,7 +92,7 @@ class StoreWriter:
         self._lock = threading.Lock()
 
     def submit(self, req: WriteRequest, tensor: torch.Tensor) -> None:
-        slot = (req.url, req.key)
+        slot = (req.url, req.tenant.prefix, req.key)
         with self._lock:
             if slot not in self._pending:
                 self._pending[slot] = self._pool.submit(self._write, req, tensor, slot)
@@ -94,7 +100,7 @@ class StoreWriter:
     def _write(self, req: WriteRequest, tensor: torch.Tensor, slot) -> None:
         t0 = time.perf_counter()
         try:
-            m = open_store(req.url).put(tensor, req.key, req.start, req.end, req.fingerprint)
+            m = open_store(req.url, req.tenant).put(tensor, req.key, req.start, req.end, req.fingerprint)
             report({"op": "write", "key": req.key, "nbytes": 0 if m is None else m.nbytes,
                     "seconds": time.perf_counter() - t0, "written": m is not None})
         except Exception as e:  # a full disk or a lost bucket must not take the worker down
@@ -156,14 +162,15 @@ def _worker_address() -> str:
         return "local"
 
 
-def load_blocks(url: str, keys: list[str]) -> LoadOutput:
-    """Read ``keys`` (a chain, in order) from the store and keep the leading run of good ones:
-    blocks after a miss or a corrupt object are useless, their K/V attend to the missing one.
+def load_blocks(url: str, keys: list[str], tenant: StoreTenant | None = None) -> LoadOutput:
+    """Read ``keys`` (a chain, in order) from ``tenant``'s part of the store and keep the
+    leading run of good ones: blocks after a miss or a corrupt object are useless, their K/V
+    attend to the missing one. An object that fails authentication is corrupt: never loaded.
 
     Objects are read concurrently (``daskflow-kv.store.read-threads``): an object store
     answers each GET after a round trip, and reads, CRC and decoding release the GIL.
     """
-    store = open_store(url)
+    store = open_store(url, tenant)
     threads = max(1, min(int(config.get("store.read-threads")), len(keys)))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="daskflow-kv-store-reader") as pool:
@@ -188,8 +195,9 @@ def load_summary(out: LoadOutput) -> dict:
             "worker": out.worker}
 
 
-def probe(url: str, nbytes: int) -> list[tuple[int, float]]:
+def probe(url: str, nbytes: int, tenant: StoreTenant | None = None) -> list[tuple[int, float]]:
     """(bytes, read seconds) for one object of nbytes/8 and one of nbytes: the store's
-    latency and bandwidth as a worker sees them, through the real read path."""
-    store = open_store(url)
+    latency and bandwidth as a worker sees them, through ``tenant``'s real read path
+    (sealed objects are opened, as loads open them)."""
+    store = open_store(url, tenant)
     return [(n, store.probe(n)[1]) for n in (max(4, nbytes // 8), max(4, nbytes))]
