@@ -44,6 +44,7 @@ _CLEAR = struct.Struct("<8sB12s12sIQ")  # magic, seal, manifest nonce, body nonc
 CLEAR_BYTES = _CLEAR.size  # 45
 UNSEALED, AES_256_GCM = 0, 1  # the seal byte
 _NONCE = 12  # bytes: GCM's standard nonce
+_TAG = 16  # bytes GCM appends to each sealed part
 _PAD = 256  # the manifest part is padded to a multiple of this
 MAX_MANIFEST = 1 << 16  # our manifest parts are 512 bytes; a larger one is not ours
 _AD_MANIFEST = f"daskflow-kv/store/{VERSION}/manifest".encode()  # what each seal is for (associated data)
@@ -102,8 +103,7 @@ def encode(tensor: torch.Tensor, key: str, start: int, end: int, fingerprint: st
         clear = _CLEAR.pack(MAGIC, UNSEALED, bytes(_NONCE), bytes(_NONCE), len(text), len(body))
         return b"".join((clear, text, body)), manifest
     aead, m_nonce, b_nonce = _aead(tenant), os.urandom(_NONCE), os.urandom(_NONCE)
-    tag = 16  # GCM appends a 16-byte tag to each sealed part
-    clear = _CLEAR.pack(MAGIC, AES_256_GCM, m_nonce, b_nonce, len(text) + tag, len(body) + tag)
+    clear = _CLEAR.pack(MAGIC, AES_256_GCM, m_nonce, b_nonce, len(text) + _TAG, len(body) + _TAG)
     sealed_manifest = aead.encrypt(m_nonce, text, _ad(_AD_MANIFEST, path, clear))
     sealed_body = aead.encrypt(b_nonce, body, _ad(_AD_BODY, path, clear, sealed_manifest))
     return b"".join((clear, sealed_manifest, sealed_body)), manifest
