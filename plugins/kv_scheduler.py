@@ -28,7 +28,7 @@ object with its own state (built at ``start``, given the parts it calls):
   transfer, recompute, evict, lost, release) and cost-model decisions, also published to
   Dask's event log under ``EVENT_TOPIC`` (``client.get_events("daskflow-kv")``) with keys
   cut short;
-* ``views`` (``kv_views``) and ``handlers`` (``kv_client_api``): what clients (per tenant,
+* ``views`` (``kv_views``) and ``client_api`` (``kv_client_api``): what clients (per tenant,
   ``tenants``) and the dashboard read, and the ``kv_*`` RPCs.
 
 And an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
@@ -119,7 +119,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     locality: Locality  # restrictions: set from the plan, loosened when workers die
     lifecycle: BlockLifecycle  # cataloged blocks through Dask's transitions
     views: KVViews  # catalog rows and counters, per namespace or the operator's
-    handlers: ClientHandlers  # the kv_* RPCs
+    client_api: ClientHandlers  # the kv_* RPCs
 
     def __init__(
         self,
@@ -133,7 +133,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.scheduler = None
         self._pc: PeriodicCallback | None = None  # the periodic check (leases, orphans, budget)
 
-    # -- the knobs, as the plugin showed them before it had parts ---------------------------------------
+    # -- the knobs, read-only (the admin's kv_configure changes ``settings``) ----------------------------
     @property
     def kv_budget_bytes(self) -> int | None:
         return self.settings.kv_budget_bytes
@@ -164,14 +164,14 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.locality = Locality(s, self.catalog, self.budget, self.queue, self.event_log)
         self.lifecycle = BlockLifecycle(s, self.catalog, self.budget, self.event_log)
         self.views = KVViews(s, settings, self.catalog, self.tiers, self.usage, self.event_log, self.tenants)
-        self.handlers = ClientHandlers(s, settings, self.tenants, self.catalog, self.leases, self.locality,
-                                       self.budget, self.usage, self.queue, self.profiles, self.lifecycle,
-                                       self.event_log, self.views)
+        self.client_api = ClientHandlers(s, settings, self.tenants, self.catalog, self.leases, self.locality,
+                                         self.budget, self.usage, self.queue, self.profiles, self.lifecycle,
+                                         self.event_log, self.views)
 
     async def start(self, scheduler) -> None:
         self._build(scheduler)
         di.ensure_client(scheduler, CACHE_CLIENT)
-        di.add_handlers(scheduler, self.handlers.handlers())
+        di.add_handlers(scheduler, self.client_api.handlers())
         di.add_handlers(scheduler, {REPORT_RPC: self.handle_worker_report})  # from workers, no session
         di.replace_amm_policy(scheduler, ReduceReplicas, KVAwareReduceReplicas())
         # What a KV cluster needs besides this plugin, installed from here whatever started the
