@@ -2,9 +2,11 @@
 the top of the repository, as the design card has it).
 
 Scheduler side (torch-free: ``dask scheduler --preload daskflow_kv.plugins.kv_scheduler``):
-``kv_scheduler`` (catalog, locality, retention, eviction; it installs everything below),
-``kv_budget``, ``kv_client_api``, ``kv_tiers``, ``tenants``, and ``dashboard/`` (the
-dashboard's KV page and the KV series of ``/metrics``).
+``kv_scheduler`` (the composition root: it builds one part per concern and installs
+everything below): ``kv_settings``, ``kv_events``, ``kv_tiers``, ``kv_leases``, ``kv_usage``,
+``kv_budget``, ``kv_queue``, ``kv_profiles``, ``kv_locality``, ``kv_lifecycle``,
+``kv_views``, ``kv_client_api``, ``tenants``; and ``dashboard/`` (the dashboard's KV page
+and the KV series of ``/metrics``).
 
 Worker side: ``worker`` (tensor serializers; spilled blocks and store I/O reported to the
 scheduler) and ``handoff`` (the worker-to-worker channel of parallel materialize). The

@@ -11,7 +11,8 @@ passes the session token it gets on every call. What a session sees and changes:
 * the global budget, the memory weight and forced eviction: admin only, since they change
   what every tenant keeps.
 
-A mixin of ``KVSchedulerPlugin``: it uses the plugin's catalog, events and budget state.
+``ClientHandlers`` holds the parts of the plugin these calls read and change; the plugin
+installs ``handlers()`` on the scheduler.
 """
 
 from __future__ import annotations
@@ -20,20 +21,52 @@ import asyncio
 import time
 
 from daskflow_kv import dask_internals as di
+from daskflow_kv.state.catalog import KVCatalog
 
-from .tenants import AccessDenied, Session
+from .kv_budget import BudgetEnforcer
+from .kv_events import EventLog
+from .kv_leases import LeaseBook, usable
+from .kv_lifecycle import BlockLifecycle
+from .kv_locality import Locality
+from .kv_profiles import ProfileBook
+from .kv_queue import QueueTracker
+from .kv_settings import KVSettings
+from .kv_usage import KVUsage
+from .kv_views import KVViews
+from .tenants import AccessDenied, Session, TenantRegistry
 
 RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
              "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
              "kv_drop")
 
 
-class KVClientAPI:
-    def client_handlers(self) -> dict:
+class ClientHandlers:
+    __slots__ = ("_scheduler", "_settings", "_tenants", "_catalog", "_leases", "_locality", "_budget", "_usage",
+                 "_queue", "_profiles", "_lifecycle", "_events", "_views")
+
+    def __init__(self, scheduler, settings: KVSettings, tenants: TenantRegistry, catalog: KVCatalog,
+                 leases: LeaseBook, locality: Locality, budget: BudgetEnforcer, usage: KVUsage, queue: QueueTracker,
+                 profiles: ProfileBook, lifecycle: BlockLifecycle, events: EventLog, views: KVViews):
+        self._scheduler = scheduler  # tasks and workers the answers describe
+        self._settings = settings  # the budget and memory weight (the admin changes them)
+        self._tenants = tenants  # sessions: who is calling, what they may see
+        self._catalog = catalog  # prefix lookups, states
+        self._leases = leases  # acquisition of looked-up blocks
+        self._locality = locality  # where a block is or will be
+        self._budget = budget  # told of releases; forced checks
+        self._usage = usage  # KV bytes per worker
+        self._queue = queue  # busy seconds per worker
+        self._profiles = profiles  # prefill profiles, links, probes
+        self._lifecycle = lifecycle  # dropping the whole cache
+        self._events = events  # lifecycle events of the calls
+        self._views = views  # catalog rows and counters
+
+    def handlers(self) -> dict:
+        """RPC name -> handler, for ``Scheduler.handlers``."""
         return {name: getattr(self, "handle_" + name.removeprefix("kv_")) for name in RPC_NAMES}
 
     def _session(self, session: str | None) -> Session:
-        return self.tenants.session(session)
+        return self._tenants.session(session)
 
     def _admin(self, session: str | None, what: str) -> Session:
         s = self._session(session)
@@ -44,12 +77,12 @@ class KVClientAPI:
 
     # -- identity ---------------------------------------------------------------------------------
     def handle_challenge(self) -> str:
-        return self.tenants.challenge()
+        return self._tenants.challenge()
 
     def handle_login(self, namespace: str = "", nonce: str | None = None, proof: str | None = None,
                      client: str | None = None) -> dict:
-        s = self.tenants.login(namespace, nonce, proof, client)
-        return {"session": s.token, "namespace": s.namespace, "role": s.role, "open": self.tenants.open}
+        s = self._tenants.login(namespace, nonce, proof, client)
+        return {"session": s.token, "namespace": s.namespace, "role": s.role, "open": self._tenants.open}
 
     # -- reuse --------------------------------------------------------------------------------------
     def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
@@ -61,25 +94,25 @@ class KVClientAPI:
         are covered and the blocks to read: keys, spans, sizes, where they are.
         """
         s = self._session(session)
-        match = self.catalog.lookup(root, keys, tokens, block_size, None if s.is_admin else s.namespace)
-        usable = []
+        match = self._catalog.lookup(root, keys, tokens, block_size, None if s.is_admin else s.namespace)
+        usable_blocks = []
         for b in match.blocks:  # stop at the first block Dask cannot give back
-            ts = self.scheduler.tasks.get(b.key)
-            if ts is None or ts.state in self.NOT_USABLE:
+            if not usable(self._scheduler.tasks.get(b.key)):
                 break
-            usable.append(b)
-        covered = match.tokens if len(usable) == len(match.blocks) else (usable[-1].end if usable else 0)
-        states = self._acquire([b.key for b in usable], client)
+            usable_blocks.append(b)
+        covered = (match.tokens if len(usable_blocks) == len(match.blocks)
+                   else (usable_blocks[-1].end if usable_blocks else 0))
+        states = self._leases.acquire([b.key for b in usable_blocks], client)
         blocks = []
-        for b in usable:
-            ts = self.scheduler.tasks[b.key]
+        for b in usable_blocks:
+            ts = self._scheduler.tasks[b.key]
             blocks.append({
                 "key": b.key,
                 "start": b.start,
                 "end": b.end,
                 "nbytes": b.nbytes,
                 "who_has": sorted(ws.address for ws in (ts.who_has or ())),
-                "where": self._where(ts),
+                "where": self._locality.where(ts),
                 "state": states.get(b.key, ts.state),
             })
         return {"tokens": covered, "blocks": blocks}
@@ -87,26 +120,31 @@ class KVClientAPI:
     def handle_acquire(self, session: str, keys: list[str], client: str | None = None) -> dict[str, str]:
         """Take a reference to blocks the caller already knows by key (its own namespace only)."""
         s = self._session(session)
-        mine = [k for k in keys if k in self.catalog.blocks and s.sees(self.catalog.namespace_of(k))]
-        return self._acquire(mine, client)
+        mine = [k for k in keys if k in self._catalog.blocks and s.sees(self._catalog.namespace_of(k))]
+        return self._leases.acquire(mine, client)
 
     def handle_snapshot(self, session: str) -> dict:
-        """What the planner needs: workers and their load, links, prefill profiles. No user data."""
+        """What the planner needs: workers and their load, links, prefill profiles. No user data.
+
+        ``links``: ``[src, dst, bytes_per_s, latency_s or None]`` per pair with a bandwidth;
+        ``bandwidth`` / ``latency`` say the same keyed by "src->dst" (older clients read those).
+        """
         s = self._session(session)
-        sch = self.scheduler
-        kv_bytes = self.kv_bytes_by_worker()
+        sch = self._scheduler
+        kv_bytes = self._usage.bytes_by_worker()
         return {
             "workers": {
                 addr: {"nthreads": ws.nthreads, "processing": len(ws.processing), "kv_bytes": kv_bytes[addr],
-                       "busy_s": self.busy_seconds(addr)}
+                       "busy_s": self._queue.busy_seconds(addr)}
                 for addr, ws in sch.workers.items()
             },
-            "bandwidth": self.bandwidth(s.namespace),
-            "latency": {f"{a}->{b}": lat for (ns, a, b), lat in self.probed_latency.items() if ns == s.namespace},
+            "links": self._profiles.links(s.namespace),
+            "bandwidth": self._profiles.bandwidth(s.namespace),
+            "latency": self._profiles.latency(s.namespace),
             "default_bandwidth": sch.bandwidth,
-            "prefill_profiles": self.prefill_profiles(),
-            "kv_budget_bytes": self.kv_budget_bytes,
-            "memory_weight": self.memory_weight,
+            "prefill_profiles": self._profiles.prefill_profiles(),
+            "kv_budget_bytes": self._settings.kv_budget_bytes,
+            "memory_weight": self._settings.memory_weight,
         }
 
     async def handle_register_states(self, session: str, metas: list[dict], timeout: float = 10.0) -> None:
@@ -119,55 +157,53 @@ class KVClientAPI:
         s = self._session(session)
         keys = {k for m in metas for k in m["block_keys"]}
         deadline = time.time() + timeout
-        while not keys <= self.scheduler.tasks.keys() and time.time() < deadline:
+        while not keys <= self._scheduler.tasks.keys() and time.time() < deadline:
             await asyncio.sleep(0.002)
         for meta in metas:
-            self.catalog.add_state(meta, s.namespace)
-            self._event(meta.get("op", "state"), s.namespace, state_id=meta["state_id"],
-                        parents=list(meta.get("parents", ())), blocks=len(meta["block_keys"]),
-                        tokens=meta.get("tokens", 0), worker=meta.get("worker"),
-                        **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
+            self._catalog.add_state(meta, s.namespace)
+            self._events.record(meta.get("op", "state"), s.namespace, state_id=meta["state_id"],
+                                parents=list(meta.get("parents", ())), blocks=len(meta["block_keys"]),
+                                tokens=meta.get("tokens", 0), worker=meta.get("worker"),
+                                **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
 
     def handle_release_state(self, session: str, state_id: str) -> None:
         s = self._session(session)
-        st = self.catalog.states.get(state_id)
+        st = self._catalog.states.get(state_id)
         if st is None:
             return
         if not s.sees(st.namespace):
             raise AccessDenied(f"state {state_id} is not one of namespace {s.namespace!r}'s")
-        self.catalog.release_state(state_id)
-        self._dirty = True
-        self._event("release", st.namespace, state_id=state_id)
+        self._catalog.release_state(state_id)
+        self._budget.note_change()
+        self._events.record("release", st.namespace, state_id=state_id)
 
     # -- views ----------------------------------------------------------------------------------
     def handle_catalog(self, session: str) -> list[dict]:
         s = self._session(session)
-        return self.catalog_rows(None if s.is_admin else s.namespace)
+        return self._views.catalog_rows(None if s.is_admin else s.namespace)
 
     def handle_counters(self, session: str) -> dict:
         s = self._session(session)
-        return self.counters_view(None if s.is_admin else s.namespace)
+        return self._views.counters_view(None if s.is_admin else s.namespace)
 
     def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float,
                                 latency: float | None = None) -> None:
         """A calibration probe's figures, used for this namespace's plans (others keep theirs)."""
         s = self._session(session)
-        self.probed_bandwidth[(s.namespace, src, dst)] = float(bandwidth)
-        if latency is not None:
-            self.probed_latency[(s.namespace, src, dst)] = float(latency)
+        self._profiles.record_probe(s.namespace, src, dst, bandwidth, latency)
 
     # -- knobs that affect everyone ---------------------------------------------------------------
     def handle_configure(self, session: str, kv_budget_bytes=None, memory_weight=None, unset_budget=False) -> None:
         self._admin(session, "the KV budget and memory weight")
         if kv_budget_bytes is not None or unset_budget:
-            self.kv_budget_bytes = kv_budget_bytes
+            self._settings.kv_budget_bytes = kv_budget_bytes
         if memory_weight is not None:
-            self.memory_weight = memory_weight
-        self._enforce_budgets(force=True)  # a lower budget applies now, not at the next tick
+            self._settings.memory_weight = memory_weight
+        self._budget.enforce(force=True)  # a lower budget applies now, not at the next tick
 
     def handle_evict_now(self, session: str) -> list[str]:
         self._admin(session, "forced eviction")
-        return self._enforce_budgets(force=True)
+        return self._budget.enforce(force=True)
 
     def handle_drop(self, session: str, client: str | None = None) -> int:
         """Before a cluster closes: the cache lets go of every block, and ``client`` of every key.
@@ -177,12 +213,9 @@ class KVClientAPI:
         """
         s = self._admin(session, "dropping the whole KV cache")
         stimulus = f"kv-drop-{time.time()}"
-        cached = [k for k in self.catalog.blocks if k in self.scheduler.tasks]
-        for k in cached:
-            self.catalog.set_status(k, "released")
-        di.unwant(self.scheduler, cached, self.CACHE_CLIENT, stimulus)
-        cs = self.scheduler.clients.get(client) if client else None
+        dropped = self._lifecycle.drop_cache(stimulus)
+        cs = self._scheduler.clients.get(client) if client else None
         if cs is not None:
-            di.unwant(self.scheduler, [ts.key for ts in cs.wants_what], client, stimulus)
-        self._event("drop", None, blocks=len(cached), client=client, by=s.namespace)
-        return len(cached)
+            di.unwant(self._scheduler, [ts.key for ts in cs.wants_what], client, stimulus)
+        self._events.record("drop", None, blocks=dropped, client=client, by=s.namespace)
+        return dropped

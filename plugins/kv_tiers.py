@@ -2,7 +2,7 @@
 
 Dask knows a key is "in memory" on a worker, not whether that worker's SpillBuffer has
 moved it to disk; the persistent store is not Dask's at all. Workers tell the plugin both
-(``runtime.kv_worker``, one ``kv_worker_report`` RPC when something changed):
+(``plugins.worker``, one ``kv_worker_report`` RPC when something changed):
 
 * ``spilled``: the KV block keys on the worker's spill disk now (the whole list, so a
   lost report is repaired by the next one);
@@ -11,48 +11,62 @@ moved it to disk; the persistent store is not Dask's at all. Workers tell the pl
 The budget counts only blocks in memory (``spilled_on``); the catalog shows each block's
 tier. The RPC is open to workers (they have no tenant session): Dask trusts every
 participant anyway (see README, tenancy), and a report can only mislabel tiers.
-
-A mixin of ``KVSchedulerPlugin``.
 """
 
 from __future__ import annotations
 
+from daskflow_kv.state.catalog import KVCatalog
+
+from .kv_events import EventLog
 
 
-class KVTiers:
-    def handle_worker_report(self, worker: str, spilled: list[str] | None = None, events=()) -> None:
-        if worker not in self.scheduler.workers:
-            return
+class TierTracker:
+    __slots__ = ("_catalog", "_events", "_spilled")
+
+    def __init__(self, catalog: KVCatalog, events: EventLog):
+        self._catalog = catalog  # marks persisted blocks, counts store I/O
+        self._events = events  # store failures
+        self._spilled: dict[str, frozenset] = {}  # worker -> KV block keys on its spill disk (its last report)
+
+    def report(self, worker: str, spilled: list[str] | None = None, events=()) -> bool:
+        """Take a worker's report. -> whether its spilled blocks changed (so did its KV in memory)."""
+        changed = False
         if spilled is not None:
-            before = self.spilled.get(worker, frozenset())
-            self.spilled[worker] = frozenset(spilled)
-            if before != self.spilled[worker]:
-                self._dirty = True  # budget use changed: spilled blocks no longer count
+            before = self._spilled.get(worker, frozenset())
+            self._spilled[worker] = frozenset(spilled)
+            changed = before != self._spilled[worker]
         for e in events or ():
-            op = e.get("op")
-            if op == "write" and e.get("written"):
-                self.catalog.count("store_writes")
-                self.catalog.count("store_bytes_written", int(e.get("nbytes") or 0))
-            if op == "write":  # written now, or there already: either way a copy is stored
-                self.catalog.mark_persisted(e.get("key"))
-            elif op == "load":
-                self.catalog.count("store_loads", int(e.get("blocks") or 0))
-                self.catalog.count("store_bytes_read", int(e.get("nbytes") or 0))
-                self.catalog.count("store_corrupt", int(e.get("corrupt") or 0))
-                if e.get("corrupt"):
-                    self._event("store-corrupt", None, worker=worker)
-            elif op == "write-failed":
-                self.catalog.mark_persisted(e.get("key"), False)
-                self._event("store-write-failed", None, worker=worker, error=str(e.get("error", ""))[:200])
+            self._store_event(worker, e)
+        return changed
+
+    def _store_event(self, worker: str, e: dict) -> None:
+        op = e.get("op")
+        if op == "write" and e.get("written"):
+            self._catalog.count("store_writes")
+            self._catalog.count("store_bytes_written", int(e.get("nbytes") or 0))
+        if op == "write":  # written now, or there already: either way a copy is stored
+            self._catalog.mark_persisted(e.get("key"))
+        elif op == "load":
+            self._catalog.count("store_loads", int(e.get("blocks") or 0))
+            self._catalog.count("store_bytes_read", int(e.get("nbytes") or 0))
+            self._catalog.count("store_corrupt", int(e.get("corrupt") or 0))
+            if e.get("corrupt"):
+                self._events.record("store-corrupt", None, worker=worker)
+        elif op == "write-failed":
+            self._catalog.mark_persisted(e.get("key"), False)
+            self._events.record("store-write-failed", None, worker=worker, error=str(e.get("error", ""))[:200])
+
+    def forget_worker(self, worker: str) -> None:
+        self._spilled.pop(worker, None)
 
     def spilled_on(self, key, worker: str) -> bool:
-        return key in self.spilled.get(worker, ())
+        return key in self._spilled.get(worker, ())
 
     def tier(self, key, ts) -> str:
-        """memory | spilled | store | "" (see state.catalog)."""
+        """memory | spilled | store | "" (see state.catalog) of ``key``, whose task is ``ts``."""
         if ts is not None and ts.state == "memory" and ts.who_has:
             if all(self.spilled_on(key, ws.address) for ws in ts.who_has):
                 return "spilled"
             return "memory"
-        entry = self.catalog.blocks.get(key)
+        entry = self._catalog.blocks.get(key)
         return "store" if entry is not None and entry.persisted else ""

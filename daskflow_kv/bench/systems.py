@@ -381,9 +381,10 @@ def shorten_lease(client, seconds: float = 0.5) -> bool:
 
     def _set(dask_scheduler, seconds=seconds):
         plugin = dask_scheduler.plugins.get("daskflow-kv")
-        if plugin is None or not hasattr(plugin, "lease_seconds"):
+        settings = getattr(plugin, "settings", None)
+        if settings is None or not hasattr(settings, "lease_seconds"):
             return False
-        plugin.lease_seconds = seconds
+        settings.lease_seconds = seconds  # the lease book reads it at each acquisition
         return True
 
     try:

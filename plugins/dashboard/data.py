@@ -1,18 +1,21 @@
 """What the KV page shows, as plain data: one snapshot of the KV scheduler plugin.
 
-``collect`` reads the plugin through its RPC handlers (counters, catalog rows) and, where
-present, its catalog's states and event log; ``lineage_graph`` lays the states out as a
+``collect`` reads the plugin through its operator views (counters, catalog rows, events)
+and, where present, its catalog's states; ``lineage_graph`` lays the states out as a
 layered DAG. What each section shows is in ``kv_dashboard_view``, the HTML in
 ``templates/`` (rendered by ``kv_dashboard_render``), routes in ``kv_dashboard``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, defaultdict
 
 from .metrics import COUNTERS, kv_plugin, metric_name, read_catalog, read_counters
+
+logger = logging.getLogger("daskflow_kv.dashboard")
 
 MAX_STATES = 40  # states listed in the table (newest first)
 MAX_NODES = 48  # states drawn in the lineage graph (newest, whole families)
@@ -53,10 +56,14 @@ def _worker_names(scheduler) -> dict[str, str]:
 
 
 def _events(plugin) -> list[dict]:
-    ev = getattr(plugin, "events", None)
+    """The plugin's whole event log as the operator sees it ([] from a plugin without one)."""
+    read = getattr(plugin, "operator_events", None)
+    if not callable(read):
+        return []
     try:
-        return [e for e in list(ev) if isinstance(e, dict)] if ev is not None else []
-    except TypeError:
+        return [e for e in read() or () if isinstance(e, dict)]
+    except Exception:  # noqa: BLE001 -- as read_counters: the page must not go down
+        logger.exception("daskflow-kv: operator_events failed")
         return []
 
 

@@ -20,9 +20,9 @@ server (the one serving Dask's dashboard and ``/metrics``):
 own pages, when the Bokeh dashboard runs; the routes are listed in ``/sitemap.json`` too.
 
 The numbers come from the KV scheduler plugin (``scheduler.plugins["daskflow-kv"]``)
-through its operator views (``operator_counters``, ``operator_catalog``: block keys cut short
-when tenants are configured, since a full key fetches K/V) and, where present, its
-catalog's states and its event log; the page shows "not loaded" until that plugin is there.
+through its operator views (``operator_counters``, ``operator_catalog``, ``operator_events``:
+block keys cut short when tenants are configured, since a full key fetches K/V) and, where
+present, its catalog's states; the page shows "not loaded" until that plugin is there.
 
 Load with ``client.register_plugin(KVDashboardPlugin())`` or
 ``dask scheduler --preload daskflow_kv.plugins.dashboard``.

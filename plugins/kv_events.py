@@ -1,0 +1,61 @@
+"""The plugin's lifecycle events and cost-model decisions: kept whole here, published cut short.
+
+Every event (materialize, fork, resume, extend, merge, transfer, recompute, evict, lost,
+release, ...) is kept, with its namespace, in a bounded log the client API scopes per tenant
+and the dashboard reads; it also goes to Dask's event log under ``EVENT_TOPIC``
+(``client.get_events("daskflow-kv")``), which any client reads, so there its keys are cut
+short (``keys.short_key``: a full block key is a capability to fetch the block's K/V).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from daskflow_kv.keys import EVENT_TOPIC, short_key
+
+
+def public_event(event: dict) -> dict:
+    """An event as a reader outside its namespace may see it: keys cut short."""
+    out = dict(event)
+    if "key" in out:
+        out["key"] = short_key(str(out["key"]))
+    if "keys" in out:
+        out["keys"] = [short_key(str(k)) for k in out["keys"]]
+    return out
+
+
+def _visible(entry: dict, namespace: str | None) -> bool:
+    """``namespace`` (None: the operator, who sees all) sees its own and the cluster's own."""
+    return namespace is None or entry.get("namespace") in (None, namespace)
+
+
+class EventLog:
+    __slots__ = ("_scheduler", "_events", "_decisions")
+
+    def __init__(self, scheduler, max_events: int = 1024, max_decisions: int = 256):
+        self._scheduler = scheduler  # whose Dask event log gets the public copy
+        self._events: deque[dict] = deque(maxlen=max_events)  # recent lifecycle events, newest last
+        self._decisions: deque[dict] = deque(maxlen=max_decisions)  # recent cost-model decisions, newest last
+
+    def record(self, op: str, namespace: str | None, **detail) -> None:
+        """A lifecycle event of ``namespace`` (None: the cluster's own)."""
+        event = {"op": op, "time": time.time(), "namespace": namespace, **detail}
+        self._events.append(event)
+        self._scheduler.log_event(EVENT_TOPIC, public_event(event))
+
+    def record_decision(self, decision: dict, namespace: str | None) -> None:
+        """A placement the cost model chose (reuse, transfer, recompute), with its numbers."""
+        self._decisions.append({**decision, "namespace": namespace})
+
+    def events(self, namespace: str | None = None, last: int | None = None, public: bool = False) -> list[dict]:
+        """The events ``namespace`` may see, oldest first (``last``: only the newest so many);
+        ``public``: with keys cut short."""
+        out = [e for e in self._events if _visible(e, namespace)]
+        out = out[-last:] if last else out
+        return [public_event(e) for e in out] if public else [dict(e) for e in out]
+
+    def decisions(self, namespace: str | None = None, last: int | None = None) -> list[dict]:
+        """The decisions ``namespace`` may see, oldest first (``last``: only the newest so many)."""
+        out = [dict(d) for d in self._decisions if _visible(d, namespace)]
+        return out[-last:] if last else out

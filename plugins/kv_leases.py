@@ -1,0 +1,60 @@
+"""Acquisition: a lookup hands its caller a reference to every block it found, at once.
+
+``acquire`` makes the caller's client (and the cache's pseudo-client) want the keys in the
+same event-loop tick as the lookup (``client_desires_keys``, as ``Variable.get`` does), so
+a block found in the cache cannot be evicted before the client holds its future; a
+released block that is needed again is recomputed by Dask from its lineage. Each acquired
+key is also leased for ``lease_seconds``: the budget leaves it alone until its reader's
+task holds it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import CACHE_CLIENT
+from daskflow_kv.state.catalog import KVCatalog
+
+from .kv_settings import KVSettings
+
+NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
+
+
+def usable(ts) -> bool:
+    """Dask can give this task's key back (computed, or computable from its lineage)."""
+    return ts is not None and ts.state not in NOT_USABLE
+
+
+class LeaseBook:
+    __slots__ = ("_scheduler", "_catalog", "_settings", "_until")
+
+    def __init__(self, scheduler, catalog: KVCatalog, settings: KVSettings):
+        self._scheduler = scheduler  # tasks and clients to want keys for
+        self._catalog = catalog  # which keys are cataloged blocks (the cache keeps those)
+        self._settings = settings  # lease_seconds, read at each acquisition
+        self._until: dict = {}  # key -> time until which eviction leaves it alone
+
+    def acquire(self, keys: list, client: str | None) -> dict:
+        """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state."""
+        tasks = self._scheduler.tasks
+        known = [k for k in dict.fromkeys(keys) if usable(tasks.get(k))]
+        if not known:
+            return {}
+        now = time.time()
+        for k in known:
+            self._until[k] = now + self._settings.lease_seconds
+        if client in self._scheduler.clients:  # not a client that has gone meanwhile
+            di.want(self._scheduler, known, client)
+        di.want(self._scheduler, [k for k in known if k in self._catalog.blocks], CACHE_CLIENT)
+        released = [k for k in known if tasks[k].state == "released"]
+        if released:  # needed again after it left memory: Dask recomputes it from lineage
+            di.recompute(self._scheduler, released, f"kv-acquire-{now}")
+        return {k: tasks[k].state for k in known}
+
+    def is_leased(self, key, now: float) -> bool:
+        return self._until.get(key, 0.0) > now
+
+    def expire(self, now: float) -> None:
+        """Forget leases that ran out (the periodic check)."""
+        self._until = {k: t for k, t in self._until.items() if t > now}

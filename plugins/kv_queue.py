@@ -1,0 +1,55 @@
+"""The queue the planner waits on: predicted and running KV task times per worker.
+
+Each KV compute task's plan predicts how long it takes (``predicted_s`` in its
+annotation). A worker's KV tasks run one at a time, so the seconds still queued there are
+what its sent tasks were predicted to take, less what has run since the first was sent,
+plus what is parked for admission there. The planner (``policy.placement``) reads it as
+``busy_s`` in the ``kv_snapshot`` answer to place by earliest finish time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class QueueTracker:
+    __slots__ = ("_scheduler", "_is_held", "_predicted", "_running")
+
+    def __init__(self, scheduler, is_held: Callable[[object], bool]):
+        self._scheduler = scheduler  # where a task was sent (``processing_on``)
+        self._is_held = is_held  # key -> parked or admitted by the budget (it runs where planned)
+        self._predicted: dict = {}  # KV compute task key -> (target worker, predicted seconds), from the plan
+        self._running: dict = {}  # key -> (worker, when it was sent there)
+
+    def expect(self, key, worker: str | None, seconds: float) -> None:
+        """The plan says ``key`` takes ``seconds`` on ``worker``."""
+        self._predicted[key] = (worker, float(seconds))
+
+    def transition(self, key, start: str, finish: str) -> None:
+        if key not in self._predicted:
+            return
+        ts = self._scheduler.tasks.get(key)
+        if finish == "processing" and ts is not None and ts.processing_on is not None:
+            self._running[key] = (ts.processing_on.address, time.time())
+        elif start == "processing":
+            self._running.pop(key, None)
+            if finish in ("memory", "erred", "released", "forgotten"):
+                self._predicted.pop(key, None)
+        elif finish in ("forgotten", "erred"):
+            self._predicted.pop(key, None)
+
+    def busy_seconds(self, worker: str) -> float:
+        """Predicted seconds of KV work still queued on ``worker``.
+
+        Its KV tasks (one thread runs them in turn) take the times their plans predicted;
+        what has run since the first was sent there is subtracted. Tasks parked for
+        admission, planned for ``worker``, count too: they will run there.
+        """
+        now = time.time()
+        sent = [(t0, self._predicted[k][1]) for k, (w, t0) in self._running.items() if w == worker]
+        parked = sum(p for k, (w, p) in self._predicted.items() if w == worker and k not in self._running
+                     and self._is_held(k))
+        if not sent:
+            return parked
+        return max(0.0, sum(p for _, p in sent) - (now - min(t0 for t0, _ in sent))) + parked

@@ -1,0 +1,75 @@
+"""What the budget counts: the KV bytes each worker holds in memory, and which could go.
+
+Cataloged blocks, replicas and prefill / store-load outputs hold K/V (``keys.holds_kv``);
+a block key outside the catalog is nobody's. A block cut from an output still in memory
+on the same worker shares its tensors, and a block the worker spilled to disk is not in
+memory: neither adds to the worker's use. A block is pinned (never evicted) while it is
+leased, read by a waiting or running task, or held by a live state.
+"""
+
+from __future__ import annotations
+
+from daskflow_kv.keys import CACHE_CLIENT, holds_kv, is_block, is_output
+from daskflow_kv.policy.eviction import BlockUsage
+from daskflow_kv.state.catalog import KVCatalog
+
+from .kv_leases import LeaseBook
+from .kv_tiers import TierTracker
+
+
+class KVUsage:
+    __slots__ = ("_scheduler", "_catalog", "_tiers", "_leases")
+
+    def __init__(self, scheduler, catalog: KVCatalog, tiers: TierTracker, leases: LeaseBook):
+        self._scheduler = scheduler  # who has what, and how big
+        self._catalog = catalog  # block entries: reuse, last access, chain
+        self._tiers = tiers  # spilled blocks do not count
+        self._leases = leases  # leased blocks are pinned
+
+    def is_kv(self, key) -> bool:
+        """Cataloged blocks, replicas and outputs (a block key outside the catalog is nobody's)."""
+        return key in self._catalog.blocks or (holds_kv(key) and not is_block(key))
+
+    def held_bytes(self, ts, ws) -> int:
+        """What ``ts`` adds to ``ws``'s KV *memory*. A block (or a batch's branch) cut from a
+        prefill's or a load's output shares its tensors: while that output is still in memory
+        there, it adds nothing. A block the worker spilled to disk adds nothing either."""
+        if not self.is_kv(ts.key) or self._tiers.spilled_on(ts.key, ws.address):
+            return 0
+        for d in ts.dependencies:
+            if is_output(d.key) and ws in (d.who_has or ()):
+                return 0
+        return ts.get_nbytes()
+
+    def bytes_by_worker(self) -> dict[str, int]:
+        """KV bytes each worker holds in memory now."""
+        return {addr: sum(self.held_bytes(ts, ws) for ts in ws.has_what)
+                for addr, ws in self._scheduler.workers.items()}
+
+    def pinned(self, ts, now: float) -> bool:
+        """A block this worker must keep: leased, read by a waiting/running task, or held by a state."""
+        if self._leases.is_leased(ts.key, now) or ts.waiters:
+            return True
+        if len(ts.who_has or ()) > 1:  # an extra replica: the states keep the other copy
+            return False
+        return any(cs.client_key != CACHE_CLIENT for cs in ts.who_wants or ())
+
+    def usage(self, ws, now: float) -> tuple[int, list[BlockUsage]]:
+        """(KV bytes held, evictable view of the cataloged ones) on one worker."""
+        used, usage = 0, []
+        for ts in ws.has_what:
+            if not self.is_kv(ts.key):
+                continue
+            used += self.held_bytes(ts, ws)
+            e = self._catalog.blocks.get(ts.key)
+            # Replicas go by themselves once read; only blocks are evicted, and only those in
+            # memory: evicting a spilled one frees disk, not the memory the budget is about.
+            if e is not None and not self._tiers.spilled_on(ts.key, ws.address):
+                usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
+                                        self.pinned(ts, now), e.parent, e.start))
+        return used, usage
+
+    def incoming(self, ts, worker: str) -> int:
+        """KV bytes ``ts`` will fetch to ``worker`` (its KV inputs held elsewhere)."""
+        return sum(d.get_nbytes() for d in ts.dependencies
+                   if self.is_kv(d.key) and not any(w.address == worker for w in d.who_has or ()))

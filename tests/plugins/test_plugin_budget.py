@@ -1,0 +1,107 @@
+"""The KV byte budget through the real plugin on a real (in-process) scheduler and workers:
+admission parks a KV task until there is room, eviction follows the score and cuts chains
+from the end, a lease keeps a looked-up block, a task that can never fit fails at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from distributed.utils_test import gen_cluster
+
+from daskflow_kv.errors import KVBudgetError
+from plugin_kit import (events, kv_config, kv_value, login, start_plugin, submit_block, submit_compute,
+                        state_of, until, wanted_only_by_cache)
+
+TWO_WORKERS = [("127.0.0.1", 1)] * 2
+PATIENT = kv_config(**{"scheduler.admission-patience": "60s"})  # parked tasks wait, never time out here
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_admission_parks_a_kv_task_under_the_budget_and_admits_it_when_room_is_made(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    block = submit_block(c, token, a.address, 800)
+    await block
+    key = block.key
+
+    task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, predicted_s=2.0)
+    await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked")
+    await asyncio.sleep(0.5)  # ten periodic checks: the client's block is pinned, so it stays parked
+    assert state_of(s, task.key) == "no-worker"
+    assert plugin.budget.awaiting_admission(task.key)
+    snap = await c.scheduler.kv_snapshot(session=token)
+    assert snap["workers"][a.address]["kv_bytes"] == 800
+    assert snap["workers"][a.address]["busy_s"] == pytest.approx(2.0)  # parked for a: it will run there
+    assert snap["workers"][b.address]["busy_s"] == 0.0
+    assert not events(plugin, "evict")
+
+    del block  # the client lets go; only the cache keeps the block, which the budget may now evict
+    await until(lambda: wanted_only_by_cache(s, key) or key not in s.tasks, what="the client's release")
+    out = await task
+    assert len(out) == 500
+    assert {ws.address for ws in s.tasks[task.key].who_has} == {a.address}  # where the plan sent it
+    assert [(e["key"], e["worker"], e["nbytes"]) for e in events(plugin, "evict")] == [(key, a.address, 800)]
+    assert key not in a.data
+    counters = (await c.scheduler.kv_counters(session=token))["counters"]
+    assert (counters["evictions"], counters["bytes_evicted"]) == (1, 800)
+    assert not plugin.budget.is_held(task.key)  # finished: nothing reserved any more
+    assert (await c.scheduler.kv_snapshot(session=token))["workers"][a.address]["kv_bytes"] == 500
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_kv_task_that_can_never_fit_fails_with_the_budget_in_its_error(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    task = submit_compute(c, token, a.address, kv_value, 10, kv_out=5000)
+    with pytest.raises(KVBudgetError, match="more than the whole budget"):
+        await task
+    [over] = events(plugin, "over-budget")
+    assert (over["key"], over["worker"]) == (task.key, a.address)
+    assert not plugin.budget.is_held(task.key)
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_eviction_takes_the_lowest_score_and_cuts_chains_from_the_end(c, s, a, b):
+    plugin = await start_plugin(s, evict_interval="50ms")  # no budget yet
+    token = await login(c)
+    # A chain b1 <- b2, and a lone block: by score alone the big b1 (lowest keep score per
+    # byte) would go first and suffice, but a prefix goes only after its suffix.
+    b1 = submit_block(c, token, a.address, 600, start=0)
+    await b1
+    b2 = submit_block(c, token, a.address, 100, start=4, parent=b1.key)
+    lone = submit_block(c, token, a.address, 200, start=0)
+    await asyncio.gather(b2, lone)
+    keys = {"b1": b1.key, "b2": b2.key, "lone": lone.key}
+    del b1, b2, lone
+    await until(lambda: all(wanted_only_by_cache(s, k) for k in keys.values()), what="the client's releases")
+    assert not events(plugin, "evict")  # no budget: the cache keeps everything
+
+    await c.scheduler.kv_configure(session=token, kv_budget_bytes=650)  # 900 held: 250 must go
+    assert [e["key"] for e in events(plugin, "evict")] == [keys["lone"], keys["b2"]]
+    await until(lambda: keys["b2"] not in a.data and keys["lone"] not in a.data, what="the evictions")
+    assert keys["b1"] in a.data
+    assert (await c.scheduler.kv_snapshot(session=token))["workers"][a.address]["kv_bytes"] == 600
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_a_lease_keeps_a_looked_up_block_until_it_expires(c, s, a, b):
+    plugin = await start_plugin(s, evict_interval="50ms", lease_seconds=1.0)
+    token = await login(c)
+    block = submit_block(c, token, a.address, 400)
+    await block
+    key = block.key
+    del block
+    await until(lambda: wanted_only_by_cache(s, key), what="the client's release")
+
+    t0 = time.time()
+    assert await c.scheduler.kv_acquire(session=token, keys=[key], client=None) == {key: "memory"}
+    await c.scheduler.kv_configure(session=token, kv_budget_bytes=100)
+    [over] = events(plugin, "over-budget")  # leased: pinned, so the worker stays over budget
+    assert (over["worker"], over["nbytes"]) == (a.address, 400)
+    assert not events(plugin, "evict") and key in a.data
+
+    await until(lambda: events(plugin, "evict"), timeout=5, what="the eviction once the lease ran out")
+    [evict] = events(plugin, "evict")
+    assert evict["key"] == key and evict["time"] >= t0 + 1.0

@@ -1,0 +1,55 @@
+"""Tiers from the workers' own reports, through the real plugin and a worker's real
+SpillBuffer: a spilled block is shown as spilled and no longer counts against the budget;
+a store write report marks a block persisted and counts it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from distributed.utils_test import gen_cluster
+
+from daskflow_kv import dask_internals as di
+from plugin_kit import kv_config, login, start_plugin, submit_block, until
+
+SPILLING = {"memory_limit": "1 GiB"}  # a worker with a memory limit keeps its data in a SpillBuffer
+
+
+def _rows(rows: list[dict]) -> dict[str, dict]:
+    return {r["block_key"]: r for r in rows}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, worker_kwargs=SPILLING,
+             config=kv_config(**{"workers.report-interval": "50ms"}))
+async def test_tiers_follow_the_workers_reports(c, s, a, b):
+    plugin = await start_plugin(s, evict_interval="50ms")
+    token = await login(c)
+    first = submit_block(c, token, a.address, 3000)
+    second = submit_block(c, token, a.address, 500, start=4, parent=first.key)
+    await asyncio.gather(first, second)
+    rows = _rows(await c.scheduler.kv_catalog(session=token))
+    assert (rows[first.key]["tier"], rows[second.key]["tier"]) == ("memory", "memory")
+
+    for _ in range(100):  # SpillBuffer.evict(): the least recently used key goes to disk
+        if first.key in di.spilled_keys(a) or a.data.evict() < 0:
+            break
+    assert first.key in di.spilled_keys(a) and second.key not in di.spilled_keys(a)
+    await until(lambda: plugin.tiers.spilled_on(first.key, a.address), what="a's report of its spilled block")
+    rows = _rows(await c.scheduler.kv_catalog(session=token))
+    assert (rows[first.key]["tier"], rows[second.key]["tier"]) == ("spilled", "memory")
+    snap = await c.scheduler.kv_snapshot(session=token)
+    assert snap["workers"][a.address]["kv_bytes"] == 500  # the budget counts memory, not the spill disk
+
+    # a store write, reported as the worker's store writer does; a report naming no live worker is ignored
+    await c.scheduler.kv_worker_report(worker="tcp://127.0.0.1:9", spilled=[second.key],
+                                       events=[{"op": "write", "written": True, "key": first.key, "nbytes": 1}])
+    await c.scheduler.kv_worker_report(worker=a.address,
+                                       events=[{"op": "write", "written": True, "key": second.key, "nbytes": 500}])
+    rows = _rows(await c.scheduler.kv_catalog(session=token))
+    assert rows[second.key]["tier"] == "memory" and rows[second.key]["persisted"]
+    assert not rows[first.key]["persisted"]
+    counters = (await c.scheduler.kv_counters(session=token))["counters"]
+    assert (counters["store_writes"], counters["store_bytes_written"]) == (1, 500)
+
+    assert await first is not None  # read back from disk: back in memory, and the next report says so
+    await until(lambda: not plugin.tiers.spilled_on(first.key, a.address), what="a's report after the read")
+    assert _rows(await c.scheduler.kv_catalog(session=token))[first.key]["tier"] == "memory"
