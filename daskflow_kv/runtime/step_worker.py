@@ -24,6 +24,7 @@ from ..model.step_engine import StepEngine, StepRequest
 
 _ENGINES: dict[int, StepEngine] = {}  # id(runner) -> its engine (runners live for the process)
 _LOCK = threading.Lock()
+_THREAD = threading.local()  # .seceded: this task thread already left the pool (a thread secedes once)
 POLL_S = 0.2  # how often a waiting task asks whether Dask still wants it
 
 
@@ -48,10 +49,11 @@ def run(runner: ModelRunner, requests: list[StepRequest], shared_prefix: bool = 
     eng = engine_for(runner)
     futures = eng.submit(requests, shared_prefix)
     worker, key = _current_task()
-    if worker is not None:
+    if worker is not None and not getattr(_THREAD, "seceded", False):
         from distributed import secede
 
         secede()  # the worker starts its next task now; its requests join this batch
+        _THREAD.seceded = True  # a seceded thread ends with its task: it never runs another
     return _wait(eng, futures, worker, key)
 
 
