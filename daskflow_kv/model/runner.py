@@ -34,6 +34,7 @@ class RunMetrics:
     export_s: float = 0.0  # cutting the new blocks out of the cache
     first_token_at: float = 0.0  # wall clock (time.time()) when the first token was sampled: TTFT's end
     relay_wait_s: float = 0.0  # inside prefill_s: waiting for other workers' K/V (parallel prefill)
+    shared_steps: int = 0  # step loop: steps of its prefill that also fed other requests (0: it ran alone)
 
     @property
     def ttft_s(self) -> float:

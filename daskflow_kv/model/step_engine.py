@@ -231,6 +231,9 @@ class StepEngine:
                 logits[x.rid] = self.runner.feed(x.cache, x.next_tokens(feeds[x.rid]))
         wall = time.time()
         for x in fed:
+            strangers = sum(1 for y in fed if y is not x and (x.group is None or y.group != x.group))
+            if strangers and x.fed < len(x.req.new_tokens):
+                x.metrics.shared_steps += 1  # its prefill timing is not its own (profiles skip it)
             self._advance(x, feeds[x.rid], logits.get(x.rid), t0, wall)
         for x in [x for x in self._running if x.done(self.runner.eos_ids)]:
             self._finish(x)
