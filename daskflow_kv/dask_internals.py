@@ -198,6 +198,17 @@ def spilled_keys(worker) -> list:
         return list(slow.keys())
 
 
+def task_abandoned(worker, key) -> bool:
+    """The task ``key`` running on ``worker`` is no longer wanted: its future was cancelled or
+    released while it ran (the worker marks it ``cancelled``), or the worker forgot it.
+
+    A running task cannot be interrupted by Dask; a task that waits (here: for the step
+    loop) polls this to give its place back early.
+    """
+    ts = worker.state.tasks.get(key)
+    return ts is None or ts.state in ("cancelled", "released", "forgotten")
+
+
 async def call_scheduler(worker, name: str, /, **kwargs):
     """An RPC from a worker to a scheduler handler (``add_handlers``), over the worker's own
     connection pool to its scheduler."""

@@ -8,16 +8,18 @@ the same runner inside tasks; this class is the reference it must agree with.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from . import config, validation
 from .errors import InvalidInputError, MergeError
-from .model.batched import BatchStats, resume_batch
-from .model.runner import ModelRunner, RunMetrics
+from .model.batched import BatchOutput, BatchStats, resume_batch
+from .model.runner import ModelRunner, RunMetrics, RunOutput
 from .model.sampling import GREEDY, SamplingParams
+from .model.step_engine import StepRequest
 from .model.text_codec import TextCodec
 from .state import compat
 from .state.block_store import BlockStore
@@ -51,7 +53,11 @@ class Engine(TextCodec):
         namespace: str | None = None,
         device: str = "cpu",
         runner: ModelRunner | None = None,
+        steps: Callable[[list[StepRequest], bool], list[RunOutput]] | None = None,
     ):
+        """``steps``: runs step requests (``model.step_engine``) and returns their outputs, e.g.
+        a worker's step loop (``runtime.step_worker.run``), so this engine's prefills and
+        decodes share batches with other requests; None runs them here, one at a time."""
         block_size = validation.setting("block-size", block_size, "block_size", validation.block_size)
         if runner is None:
             from .model.zoo.loader import load_model
@@ -62,6 +68,10 @@ class Engine(TextCodec):
             lm = load_model(model, dtype=dtype, device=device)
             runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
         self.runner = runner
+        self.steps = steps  # where prefills and decodes run (None: ModelRunner.run / resume_batch here)
+        # Serializes the block store and prefix index: with ``steps``, threads of one process share
+        # this engine and wait for their forwards concurrently (forwards run outside the lock).
+        self._lock = threading.RLock()
         self.store = BlockStore()
         self.index = PrefixIndex()
         self._states: dict[str, KVState] = {}  # live descriptors by id, for lineage lookups
@@ -110,33 +120,49 @@ class Engine(TextCodec):
         Returns (state, run output or None, tokens reused).
         """
         compat.check_positions(0, len(tokens), max_new_tokens, self.runner.max_positions)
-        match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size)
-        # Decoding needs the last token's logits, which no cache holds: always feed >= 1 token.
-        reused = min(match.tokens, len(tokens) - 1) if max_new_tokens else match.tokens
-        if reused < len(tokens):  # a prefill follows: below fp32 it starts on a block boundary
-            reused = self.runner.reusable(reused)
-        floor = aligned_floor(reused, self.block_size)
-        kept = [b for b in match.blocks if b.end <= floor]
-        out = None
-        computed = len(tokens) - reused
-        if reused < len(tokens):
-            blocks = [self.store.get(b.key) for b in match.blocks if b.start < reused]
-            out = self.runner.run(blocks, reused, tokens[reused:], max_new_tokens, **run_kw)
-            tokens = tokens + out.generated[:-1]
-            new_blocks = out.new_blocks
-        elif floor < reused:  # all cached, the tail inside a longer block: cut it out, no forward
-            tail = match.blocks[-1]
-            new_blocks = [(floor, reused, self.store.get(tail.key)[:, :, :, : reused - floor].contiguous())]
-        else:
-            new_blocks = []
-        if not parents:  # plain materialize: the states whose blocks were reused are its parents
-            owners = dict.fromkeys(self.store.owner(b.key) for b in kept)
-            parents = tuple(self._states[o] for o in owners if o in self._states)
-        state = self._publish(
-            tokens, kept, new_blocks, op, parents, tokens_reused=reused, tokens_computed=computed, **(detail or {})
-        )
-        self._states[state.state_id] = state
+        with self._lock:  # the lookup and the blocks it reads, held until the state is published
+            match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size)
+            # Decoding needs the last token's logits, which no cache holds: always feed >= 1 token.
+            reused = min(match.tokens, len(tokens) - 1) if max_new_tokens else match.tokens
+            if reused < len(tokens):  # a prefill follows: below fp32 it starts on a block boundary
+                reused = self.runner.reusable(reused)
+            floor = aligned_floor(reused, self.block_size)
+            kept = [b for b in match.blocks if b.end <= floor]
+            held = self.store.hold(b.key for b in match.blocks)
+        try:
+            out = None
+            computed = len(tokens) - reused
+            if reused < len(tokens):
+                blocks = [self.store.get(b.key) for b in match.blocks if b.start < reused]
+                out = self._run(blocks, reused, tokens[reused:], max_new_tokens, **run_kw)
+                tokens = tokens + out.generated[:-1]
+                new_blocks = out.new_blocks
+            elif floor < reused:  # all cached, the tail inside a longer block: cut it out, no forward
+                tail = match.blocks[-1]
+                new_blocks = [(floor, reused, self.store.get(tail.key)[:, :, :, : reused - floor].contiguous())]
+            else:
+                new_blocks = []
+            with self._lock:
+                if not parents:  # plain materialize: the states whose blocks were reused are its parents
+                    owners = dict.fromkeys(self.store.owner(b.key) for b in kept)
+                    parents = tuple(self._states[o] for o in owners if o in self._states)
+                state = self._publish(tokens, kept, new_blocks, op, parents, tokens_reused=reused,
+                                      tokens_computed=computed, **(detail or {}))
+                self._states[state.state_id] = state
+        finally:
+            with self._lock:
+                self._drop(held)
         return state, out, reused
+
+    def _run(self, blocks, reused: int, new_tokens: list[int], max_new_tokens: int, **run_kw) -> RunOutput:
+        """One prefill (and decode): here, or in the step loop this engine was given."""
+        if self.steps is None:
+            return self.runner.run(blocks, reused, new_tokens, max_new_tokens, **run_kw)
+        return self.steps([StepRequest(blocks, reused, new_tokens, max_new_tokens, **run_kw)], False)[0]
+
+    def _drop(self, held) -> None:
+        for key in self.store.drop(held):
+            self.index.remove(key)
 
     # -- operators ----------------------------------------------------------------------
     def materialize(self, tokens: Sequence[int] | str) -> KVState:
@@ -229,20 +255,37 @@ class Engine(TextCodec):
         # state's last token (as Engine.resume does), so then every branch shares one less token.
         prefix = state.length if all(suffixes) else state.length - 1
         feeds = [list(state.tokens[prefix:]) + suf for suf in suffixes]
-        blocks = [self.store.get(b.key) for b in state.blocks if b.start < prefix]
-        batch = resume_batch(self.runner, blocks, prefix, feeds, limits, sampling, streams, return_logits, **batch_kw)
+        with self._lock:
+            held = self.store.hold(b.key for b in state.blocks)
+            blocks = [self.store.get(b.key) for b in state.blocks if b.start < prefix]
+        try:
+            out = self._resume_batch(state, prefix, feeds, blocks, limits, sampling, streams, return_logits, batch_kw)
+        finally:
+            with self._lock:
+                self._drop(held)
+        return out
+
+    def _resume_batch(self, state, prefix, feeds, blocks, limits, sampling, streams, return_logits, batch_kw):
+        k = len(feeds)
+        if self.steps is None:
+            batch = resume_batch(self.runner, blocks, prefix, feeds, limits, sampling, streams, return_logits, **batch_kw)
+        else:  # one group in the step loop: the prefix held once, decoded with whatever else runs there
+            start = self.runner.reusable(prefix)  # below fp32 each branch starts on a block boundary
+            head = list(state.tokens[start:prefix])
+            reqs = [StepRequest(blocks, start, head + feed, lim, sampling, stream, return_logits)
+                    for feed, lim, stream in zip(feeds, limits, streams if streams is not None else range(k))]
+            batch = BatchOutput(self.steps(reqs, True), None)
         kept = [b for b in state.blocks if b.end <= aligned_floor(prefix, self.block_size)]
         out = ForkGenerations()
         out.stats = batch.stats
-        for feed, run in zip(feeds, batch):
-            tokens = list(state.tokens[:prefix]) + feed + run.generated[:-1]
-            new = self._publish(
-                tokens, kept, run.new_blocks, "resume", (state,), tokens_reused=prefix, tokens_computed=len(feed), batched=k
-            )
-            self._states[new.state_id] = new
-            out.append(
-                Generation(run.generated, self.decode(run.generated), run.logits, run.metrics, new, new.own_blocks(state))
-            )
+        with self._lock:
+            for feed, run in zip(feeds, batch):
+                tokens = list(state.tokens[:prefix]) + feed + run.generated[:-1]
+                new = self._publish(tokens, kept, run.new_blocks, "resume", (state,), tokens_reused=prefix,
+                                    tokens_computed=len(feed), batched=k)
+                self._states[new.state_id] = new
+                out.append(Generation(run.generated, self.decode(run.generated), run.logits, run.metrics, new,
+                                      new.own_blocks(state)))
         return out
 
     def merge(self, a: KVState, b: KVState, how: str = "auto") -> KVState:
@@ -278,10 +321,11 @@ class Engine(TextCodec):
     def release(self, state: KVState) -> int:
         """Drop ``state``; blocks no other live state holds are freed. Returns bytes freed."""
         validation.instance("state", state, KVState)
-        freed = self.store.release(state)
-        for key in freed:
-            self.index.remove(key)
-        self._states.pop(state.state_id, None)
+        with self._lock:
+            freed = self.store.release(state)
+            for key in freed:
+                self.index.remove(key)
+            self._states.pop(state.state_id, None)
         return sum(freed.values())
 
     def _register(self, state: KVState) -> KVState:

@@ -2,8 +2,10 @@
 
 That is what one vLLM or SGLang instance gives on its own: an automatic prefix cache (the
 engine's ``PrefixIndex``: a prompt reuses the longest prefix any earlier request left in
-this process) and batched decode of the branches it serves together (``resume_forks``:
-one copy of the prefix, one forward per step for all of them). Nothing crosses workers:
+this process), batched decode of the branches it serves together (``resume_forks``: one
+copy of the prefix), and continuous batching: its prefills and decodes run in the worker's
+step loop (``runtime.step_worker``), the same one daskflow-kv's tasks use, so groups from
+different workflows share forward steps there. Nothing crosses workers:
 a worker without the prefix prefills it itself. States are kept for reuse, least recently
 used first out, under a byte budget (``retain_bytes``), as a serving engine's cache does.
 
@@ -13,6 +15,7 @@ Functions here run inside Dask tasks (``run_group``) or through ``client.run`` (
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from ..engine import Engine
 from ..model.sampling import GREEDY
-from ..runtime import tasks
+from ..runtime import step_worker, tasks
 
 DEFAULT_RETAIN = 2 << 30  # bytes of K/V one worker's engine keeps for reuse
 
@@ -54,7 +57,9 @@ def _cache(spec: tasks.ModelSpec, retain_bytes: int = DEFAULT_RETAIN) -> LocalCa
     with _LOCK:
         c = _CACHES.get(spec)
         if c is None:
-            c = _CACHES[spec] = LocalCache(Engine(runner=tasks.get_runner(spec)), OrderedDict(), retain_bytes)
+            runner = tasks.get_runner(spec)
+            engine = Engine(runner=runner, steps=functools.partial(step_worker.run, runner))
+            c = _CACHES[spec] = LocalCache(engine, OrderedDict(), retain_bytes)
         c.retain_bytes = retain_bytes
         return c
 
@@ -93,7 +98,8 @@ def run_group(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int
     gens = eng.resume_forks(root, [list(s) for _, s in branches], max_new_tokens, GREEDY,
                             streams=[i for i, _ in branches])
     stop = time.time()
-    c.keep(root, *(g.state for g in gens))
+    with _LOCK:  # groups of other workflows finish on other threads of this process
+        c.keep(root, *(g.state for g in gens))
     stats = gens.stats
     out = [{"index": i, "tokens": list(g.tokens), "first_token_at": g.metrics.first_token_at,
             "prefill_s": g.metrics.prefill_s, "decode_s": g.metrics.decode_s, "tokens_computed": len(s)}

@@ -72,6 +72,18 @@ class _PastLength:
         return self.n + query_length, 0
 
 
+def single_mask(config, dtype, device, q_len: int, past: int, sliding_window: int | None):
+    """The mask a single-request forward of ``q_len`` queries after ``past`` cached tokens
+    gets from transformers, for full attention or a sliding window of ``sliding_window``."""
+    probe = torch.empty((1, q_len, 1), dtype=dtype, device=device)
+    pos = torch.arange(past, past + q_len, device=device).unsqueeze(0)
+    make = create_causal_mask if sliding_window is None else create_sliding_window_causal_mask
+    if sliding_window is not None and getattr(config, "sliding_window", None) != sliding_window:
+        config = copy.copy(config)  # the layer's own window, if the config names another
+        config.sliding_window = sliding_window
+    return make(config=config, inputs_embeds=probe, attention_mask=None, cache=_PastLength(past), position_ids=pos)
+
+
 class SharedPrefixCache:
     """Prefix K/V once ([1, kvh, P, d] per layer) plus a ragged tail pool per layer."""
 
@@ -186,14 +198,7 @@ class SharedPrefixCache:
         self._step = None
 
     def _single_mask(self, q_len: int, past: int, sliding_window: int | None):
-        probe = torch.empty((1, q_len, 1), dtype=self.dtype, device=self.device)
-        pos = torch.arange(past, past + q_len, device=self.device).unsqueeze(0)
-        make = create_causal_mask if sliding_window is None else create_sliding_window_causal_mask
-        config = self.config
-        if sliding_window is not None and getattr(config, "sliding_window", None) != sliding_window:
-            config = copy.copy(config)  # the layer's own window, if the config names another
-            config.sliding_window = sliding_window
-        return make(config=config, inputs_embeds=probe, attention_mask=None, cache=_PastLength(past), position_ids=pos)
+        return single_mask(self.config, self.dtype, self.device, q_len, past, sliding_window)
 
     def _shared_plan(self, active, q_lens, width):
         n_max = max(self.lens[b] + q for b, q in zip(active, q_lens))

@@ -34,6 +34,7 @@ class RunMetrics:
     export_s: float = 0.0  # cutting the new blocks out of the cache
     first_token_at: float = 0.0  # wall clock (time.time()) when the first token was sampled: TTFT's end
     relay_wait_s: float = 0.0  # inside prefill_s: waiting for other workers' K/V (parallel prefill)
+    shared_steps: int = 0  # step loop: steps of its prefill that also fed other requests (0: it ran alone)
 
     @property
     def ttft_s(self) -> float:
@@ -120,6 +121,33 @@ class ModelRunner:
             for layer in cache.layers:
                 layer.crop(-extra)
 
+    def open_cache(self, prefix_blocks: list[torch.Tensor], prefix_len: int, capacity: int):
+        """A cache holding the first ``prefix_len`` tokens of ``prefix_blocks``, with room for
+        ``capacity`` tokens in all: what ``run`` feeds, one forward at a time (``feed``)."""
+        cache = growable_cache(self.num_layers, capacity=capacity)
+        self._start(cache, prefix_blocks, prefix_len)
+        return cache
+
+    def feed(self, cache, tokens: list[int]) -> torch.Tensor:
+        """One forward of ``tokens`` after what ``cache`` holds; the last token's fp32 logits."""
+        return self._forward(cache, tokens)
+
+    def prefill_chunks(self, start: int, n: int) -> list[int]:
+        """The chunk sizes ``run`` feeds a prompt of ``n`` tokens at position ``start`` in:
+        one chunk in fp32, chunks ending on absolute block boundaries below it."""
+        if not self.aligned_prefill:
+            return [n]
+        out, pos = [], start
+        while pos < start + n:
+            stop = min(start + n, (pos // self.block_size + 1) * self.block_size)
+            out.append(stop - pos)
+            pos = stop
+        return out
+
+    def export_blocks(self, cache, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Blocks of positions [start, end) cut from ``cache``, in ``run``'s format."""
+        return self._export(cache, start, end)
+
     # -- forward --------------------------------------------------------------------------
     def _prefill(self, cache, start: int, tokens: list[int]) -> torch.Tensor:
         """Feed ``tokens`` at positions ``start``...; the last one's logits.
@@ -129,13 +157,10 @@ class ModelRunner:
         so their K/V and logits are bit-identical whatever the CPU's kernels do with row
         counts (measured: SmolLM2 bf16 logits 1.7 apart without it, 0 with it).
         """
-        if not self.aligned_prefill:
-            return self._forward(cache, tokens)
-        logits, pos, end = None, start, start + len(tokens)
-        while pos < end:
-            stop = min(end, (pos // self.block_size + 1) * self.block_size)
-            logits = self._forward(cache, tokens[pos - start : stop - start])
-            pos = stop
+        logits, pos = None, 0
+        for n in self.prefill_chunks(start, len(tokens)):
+            logits = self._forward(cache, tokens[pos : pos + n])
+            pos += n
         return logits
 
     def _forward(self, cache, tokens: list[int], model=None) -> torch.Tensor:

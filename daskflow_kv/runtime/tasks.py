@@ -27,9 +27,11 @@ from dask.sizeof import sizeof
 from .. import config
 from ..keys import PREFILL_TOPIC
 from ..model.runner import ModelRunner
+from ..model.step_engine import StepRequest
 from ..model.sampling import GREEDY, SamplingParams
 from ..transport.serialization import register_torch_serialization, sizeof_torch_tensor
 from ..store.worker_io import WriteRequest, persist
+from . import step_worker
 
 register_torch_serialization()  # workers unpickle this module before any block arrives
 
@@ -186,15 +188,7 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
     """Prefill ``req.tokens[req.reused:]`` on top of ``prefix_blocks`` (>= reused tokens)."""
     runner = get_runner(spec)
     t0 = time.perf_counter()
-    out = runner.run(
-        list(prefix_blocks),
-        req.reused,
-        list(req.tokens[req.reused :]),
-        req.max_new_tokens,
-        req.sampling or GREEDY,
-        req.stream,
-        req.return_logits,
-    )
+    [out] = step_worker.run(runner, [_step_request(req, list(prefix_blocks), req.reused)])
     worker = _worker_address()
     _report(
         {
@@ -207,6 +201,7 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
             "load_seconds": out.metrics.load_s,
             "task_seconds": time.perf_counter() - t0,
             "done_at": time.time(),  # wall clock: its K/V (the prefix it made) exist from here on
+            "shared_steps": out.metrics.shared_steps,  # > 0: batched with others, not a clean timing
         }
     )
     return _output(out, worker)
@@ -230,8 +225,6 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
     Branch j samples from stream ``requests[j].stream``, as ``prefill`` would, so its tokens
     are those of a single resume. One timing event covers the whole batch.
     """
-    from ..model.batched import resume_batch
-
     runner = get_runner(spec)
     reqs = breq.requests
     if len({(r.sampling or GREEDY, r.return_logits) for r in reqs}) != 1:
@@ -239,16 +232,9 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
     if any(r.reused != breq.reused for r in reqs):
         raise ValueError("every branch of a prefill batch continues the same reused prefix")
     t0 = time.perf_counter()
-    batch = resume_batch(
-        runner,
-        list(prefix_blocks),
-        breq.reused,
-        [list(r.tokens[breq.reused :]) for r in reqs],
-        [r.max_new_tokens for r in reqs],
-        reqs[0].sampling or GREEDY,
-        [r.stream for r in reqs],
-        reqs[0].return_logits,
-    )
+    outs = step_worker.run(runner, [_step_request(r, list(prefix_blocks), breq.reused) for r in reqs],
+                           shared_prefix=True)
+    stats = _batch_stats(outs)
     worker = _worker_address()
     _report(
         {
@@ -260,14 +246,26 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
             "new_tokens": sum(len(r.tokens) - breq.reused for r in reqs),
             "prefix_tokens": breq.reused,  # what each new token attended to (the profile's input)
             "tokens_reused": breq.reused * len(reqs),  # every branch reused the prefix (the counter's)
-            "seconds": batch.stats.prefill_s,
-            "load_seconds": batch.stats.load_s,
+            "seconds": stats["prefill_s"],
+            "load_seconds": stats["load_s"],
+            "shared_steps": max(o.metrics.shared_steps for o in outs),  # steps shared beyond the batch
             "task_seconds": time.perf_counter() - t0,
             "done_at": time.time(),
         }
     )
-    outputs = [_output(out, worker) for out in batch]
-    return BatchPrefillOutput(outputs, batch.stats.as_dict(), worker)
+    outputs = [_output(out, worker) for out in outs]
+    return BatchPrefillOutput(outputs, stats, worker)
+
+
+def _step_request(req: PrefillRequest, prefix_blocks: list, reused: int) -> StepRequest:
+    return StepRequest(prefix_blocks, reused, list(req.tokens[reused:]), req.max_new_tokens, req.sampling or GREEDY,
+                       req.stream, req.return_logits)
+
+
+def _batch_stats(outs) -> dict:
+    """A batch's timings as one event reports them: its slowest branch's (they ran together)."""
+    keys = ("load_s", "prefill_s", "decode_s", "export_s")
+    return {k: max(getattr(o.metrics, k) for o in outs) for k in keys} | {"branches": len(outs)}
 
 
 def take_branch(output: BatchPrefillOutput, index: int) -> PrefillOutput:
@@ -297,7 +295,8 @@ def text_generate(
     spec: ModelSpec, tokens: list[int], max_new_tokens: int, sampling: SamplingParams, stream: int, return_logits: bool
 ) -> GenerationResult:
     """Text mode on a worker: the whole prompt prefilled from nothing, nothing kept."""
-    out = get_runner(spec).run([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False)
+    req = StepRequest([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False)
+    [out] = step_worker.run(get_runner(spec), [req])
     return GenerationResult(out.generated, out.metrics.as_dict(), _worker_address(), out.logits)
 
 

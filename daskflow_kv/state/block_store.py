@@ -59,11 +59,27 @@ class BlockStore:
         if state.state_id not in self._live:
             raise StateReleasedError(f"state {state.state_id} was released; materialize it again")
 
+    def hold(self, keys) -> list[str]:
+        """Reference ``keys`` without a state (a prefill reading them); ``drop`` ends it."""
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._blocks]
+        if missing:
+            raise StateReleasedError(f"{len(missing)} blocks are not held (released or evicted)")
+        self._refs.update(keys)
+        return keys
+
+    def drop(self, keys) -> dict[str, int]:
+        """End a ``hold``; returns {key: bytes} of blocks nothing holds any more (freed)."""
+        return self._unref(list(keys))
+
     def release(self, state: KVState) -> dict[str, int]:
         """Drop one state's references; returns {key: bytes} of blocks no other state holds."""
         keys = self._live.pop(state.state_id, None)
         if keys is None:
             return {}
+        return self._unref(keys)
+
+    def _unref(self, keys) -> dict[str, int]:
         freed = {}
         self._refs.subtract(keys)
         for k in set(keys):

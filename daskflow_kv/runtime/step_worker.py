@@ -1,0 +1,78 @@
+"""The worker side of continuous batching: one step loop per model per worker process.
+
+A KV task (a prefill, a batch of forks, a text-mode generation) hands its requests to its
+worker's ``StepEngine`` and leaves Dask's thread pool while they run (``secede``): the
+worker then starts its other KV tasks at once, and their requests join the same running
+batch at the next step, whichever workflow or client they come from. The task polls
+whether Dask still wants it; a cancelled or released task takes its requests out of the
+batch at the next step. Its result is what ``ModelRunner.run`` would have returned.
+
+Settings: ``daskflow-kv.batching.step-tokens`` (a step's token budget: decode rows plus
+prefill chunks) and ``daskflow-kv.batching.max-running`` (requests in a batch at most).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import wait as wait_futures
+
+from .. import config
+from .. import dask_internals as di
+from ..model.runner import ModelRunner, RunOutput
+from ..model.step_engine import StepEngine, StepRequest
+
+_ENGINES: dict[int, StepEngine] = {}  # id(runner) -> its engine (runners live for the process)
+_LOCK = threading.Lock()
+_THREAD = threading.local()  # .seceded: this task thread already left the pool (a thread secedes once)
+POLL_S = 0.2  # how often a waiting task asks whether Dask still wants it
+
+
+def engine_for(runner: ModelRunner) -> StepEngine:
+    """This process's step loop for ``runner``'s model, started on first use."""
+    with _LOCK:
+        eng = _ENGINES.get(id(runner))
+        if eng is None or eng.runner is not runner:
+            eng = _ENGINES[id(runner)] = StepEngine(runner, int(config.get("batching.step-tokens")),
+                                                    int(config.get("batching.max-running")))
+        return eng
+
+
+def engine_stats() -> dict[str, dict]:
+    """Every step loop of this process: ``EngineStats.as_dict()`` by model id."""
+    with _LOCK:
+        return {e.runner.fingerprint.model_id: e.stats.as_dict() for e in _ENGINES.values()}
+
+
+def run(runner: ModelRunner, requests: list[StepRequest], shared_prefix: bool = False) -> list[RunOutput]:
+    """Run ``requests`` in the step loop and wait for them, outside the worker's thread pool."""
+    eng = engine_for(runner)
+    futures = eng.submit(requests, shared_prefix)
+    worker, key = _current_task()
+    if worker is not None and not getattr(_THREAD, "seceded", False):
+        from distributed import secede
+
+        secede()  # the worker starts its next task now; its requests join this batch
+        _THREAD.seceded = True  # a seceded thread ends with its task: it never runs another
+    return _wait(eng, futures, worker, key)
+
+
+def _current_task():
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+        return worker, worker.get_current_task()
+    except ValueError:  # called outside a Dask task (in-process use, tests)
+        return None, None
+
+
+def _wait(eng: StepEngine, futures: list[Future], worker, key) -> list[RunOutput]:
+    pending = set(futures)
+    while pending:
+        _, pending = wait_futures(pending, timeout=POLL_S)
+        if pending and worker is not None and di.task_abandoned(worker, key):
+            for f in pending:
+                eng.cancel(f)
+            raise CancelledError(f"task {key} was cancelled; its requests left the batch")
+    return [f.result() for f in futures]
