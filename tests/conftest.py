@@ -1,9 +1,19 @@
 import math
 import os
+import sys
 import time
 
-import pytest
-import torch
+# gen_cluster (tests/plugins/) resets dask.config after each test to the copy
+# distributed.utils_test took when it was first imported: register the daskflow-kv defaults
+# before that copy, or every test after a gen_cluster test runs without them.
+assert "distributed.utils_test" not in sys.modules, "import daskflow_kv.config before distributed.utils_test"
+import daskflow_kv.config  # noqa: E402 -- registers the daskflow-kv defaults
+import distributed.utils_test  # noqa: E402 -- now takes its copy with them
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+assert daskflow_kv.config.NAMESPACE in distributed.utils_test.original_config
 
 # Tests run on 2 cores next to Dask worker processes: keep torch from oversubscribing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
