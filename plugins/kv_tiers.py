@@ -10,7 +10,7 @@ moved it to disk; the persistent store is not Dask's at all. Workers tell the pl
 
 The budget counts only blocks in memory (``spilled_on``); the catalog shows each block's
 tier. The RPC is open to workers (they have no tenant session): Dask trusts every
-participant anyway (see README, tenancy), and a report can only mislabel tiers.
+participant anyway (see docs/security.md), and a report can only mislabel tiers.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def assert_same_generation(state_gen, text_gen, rtol=1e-4):
         assert float((state_gen.logits - text_gen.logits).abs().max()) <= rtol * float(scale)
 
 
-BATCHED_ULPS = 4  # bf16/fp16 logits of a k-row batch vs single rows (see README, "Exactness")
+BATCHED_ULPS = 4  # bf16/fp16 logits of a k-row batch vs single rows (see docs/exactness.md)
 
 
 def batched_logit_tolerance(logits, dtype: str) -> float:

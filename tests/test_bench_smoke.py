@@ -19,10 +19,17 @@ from daskflow_kv.bench.run import main as bench_main
 
 
 def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
+    site = tmp_path / "site"  # a README with the headline block, benchmarks/README.md with the full one
+    (site / "benchmarks").mkdir(parents=True)
+    (site / "README.md").write_text("<!-- bench:headline:start -->\n<!-- bench:headline:end -->\n")
+    (site / "benchmarks" / "README.md").write_text("<!-- bench:results:start -->\n<!-- bench:results:end -->\n")
     rc = bench_main(["--profile", "smoke", "--out", str(tmp_path), "--tag", "t", "--no-progress", "--no-netem",
                      "--contexts", "128", "--ks", "1", "4", "--exp3-contexts", "128", "--experiments", "1,2,3",
-                     "--warm"])
+                     "--readme", str(site / "README.md"), "--warm"])
     assert rc == 0
+    headline, full = (site / "README.md").read_text(), (site / "benchmarks" / "README.md").read_text()
+    assert "--readme" in headline and "(../bench_t.json)" in headline and "| mean TTFT, 4 agents, 128-token" in headline
+    assert full.startswith("<!-- bench:results:start -->\nMeasured by `") and "(../../SUMMARY_t.md)" in full
     for name in ("bench_t.json", "bench_t_runs.csv", "bench_t_summary.csv", "bench_t_exp3.csv",
                  "bench_t_exp3_modeled.csv", "SUMMARY_t.md", "bench_t_readme.md"):
         assert (tmp_path / name).stat().st_size > 0, name

@@ -11,5 +11,5 @@ definition), ``worker_tasks`` (functions that run inside Dask tasks), ``local_en
 ``router`` (the ``local`` baseline: a per-worker engine behind a cache-aware router),
 ``experiments`` (exp 1-5), ``multiround`` (exp 6), ``load`` (exp 7), ``netem`` (real bandwidth
 throttling with network namespaces), ``summary`` (medians, best baseline, targets),
-``report`` and ``report_md`` (CSV/JSON/plots/SUMMARY.md/README block).
+``report`` and ``report_md`` (CSV/JSON/plots/SUMMARY.md), ``readme_blocks`` (the README blocks).
 """

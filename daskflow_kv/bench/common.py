@@ -22,6 +22,11 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
+def summary_file(out_dir: Path, tag: str) -> Path:
+    """Where a bench run's markdown summary goes unless --summary says: SUMMARY.md for the full profile."""
+    return Path(out_dir) / ("SUMMARY.md" if tag == "full" else f"SUMMARY_{tag}.md")
+
+
 def command_line(prog: str | None = None, argv: Sequence[str] | None = None) -> str:
     """The command as typed (``prog`` replaces argv[0], e.g. ``daskflow-kv bench``)."""
     args = list(sys.argv[1:] if argv is None else argv)

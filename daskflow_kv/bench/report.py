@@ -3,7 +3,7 @@
 The numbers are summarized in ``summary`` and written as markdown by ``report_md``; this
 module writes the files. Every file names the run's tag: bench_<tag>.json (everything),
 bench_<tag>_runs.csv, bench_<tag>_summary.csv, bench_<tag>_exp3.csv, plots, SUMMARY and
-bench_<tag>_readme.md (README's results table, generated from the same rows).
+bench_<tag>_readme.md (the full results block of benchmarks/README.md, from the same rows).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import write_csv, write_json
-from .report_md import markdown, readme_table
+from .readme_blocks import readme_table
+from .report_md import markdown
 from .summary import POINT_KEY, summarize, targets
 from .systems import LABELS
 

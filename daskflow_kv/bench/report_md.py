@@ -1,4 +1,4 @@
-"""The markdown of a bench run: SUMMARY.md (every table) and the README's results table.
+"""The markdown of a bench run: SUMMARY.md, every table (the README blocks: ``readme_blocks``).
 
 Every number comes from the run's summary rows (``report.summarize``) or its exp 3 rows:
 medians over repetitions with their spread (min-max), cold and warm side by side, and
@@ -322,81 +322,4 @@ def markdown(doc: dict, summary: list[dict]) -> str:
                       higher_better=True)
         lines += grid(summary, "exp2", "omega_s", "Omega (framework overhead), s", spread=False)
     lines += _exp6_lines(summary) + _exp7_lines(summary)
-    return "\n".join(lines) + "\n"
-
-
-README_START, README_END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
-
-
-def update_readme(path, block: str) -> bool:
-    """Replace what lies between the README's result markers with ``block``; False if no markers."""
-    from pathlib import Path
-
-    path = Path(path)
-    text = path.read_text()
-    if README_START not in text or README_END not in text:
-        return False
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    path.write_text(f"{head}{README_START}\n{block.rstrip()}\n{README_END}{tail}")
-    return True
-
-
-def readme_table(doc: dict, summary: list[dict]) -> str:
-    """README's results block: every figure from this run's summary, nothing modeled."""
-    systems = [s for s in ("text", "hf", "local", "dkv") if any(r["system"] == s for r in summary)]
-    head = ["experiment"] + [LABELS.get(s, s).split(" (")[0] for s in systems] + ["daskflow-kv vs best baseline"]
-    body = []
-
-    def add(label, exp, point, metric, fmt, phases=("cold", "warm"), higher_better=False):
-        phases = [p for p in phases if any(r["exp"] == exp and r["phase"] == p for r in summary)]
-        for ph in phases:
-            cells = [f"{label} ({ph})" if len(phases) > 1 or ph != "cold" else label]
-            for s in systems:
-                r = _find(summary, exp, point, s, ph) or (_find(summary, exp, point, s, "cold")
-                                                          if s == "text" and ph == "warm" else None)
-                cells.append(_val(r, metric, fmt))
-            g, name = gain(summary, exp, point, ph, metric, higher_better)
-            cells.append("-" if g is None else f"**{g:.2f}x** (vs {name})")
-            body.append(cells)
-
-    cfg = doc["config"]
-    for ctx in _points(summary, "exp1"):
-        add(f"mean TTFT, {cfg['agents']} agents, {ctx}-token context, s", "exp1", ctx, "ttft_mean_s", "{:.2f}")
-    for k in _points(summary, "exp2"):
-        add(f"wall, {k} agent{'s' if k != 1 else ''}, {cfg['exp2_context']}-token context, s", "exp2", k, "wall_s", "{:.2f}")
-    for wf in _points(summary, "exp6"):
-        add(f"wall, {wf} (multi-round), s", "exp6", wf, "wall_s", "{:.2f}", ("cold",))
-    rates = _points(summary, "exp7")
-    if rates:
-        top = rates[-1]
-        add(f"completed workflows/min at {top:g}/min offered", "exp7", top, "completed_per_min", "{:.1f}", ("stream",),
-            higher_better=True)
-    m, model = doc["machine"], doc.get("model", {})
-    lines = [f"Measured by `{doc['command']}` ({doc.get('total_s', 0) / 60:.0f} min, {m.get('time_utc', '')}): "
-             f"{model.get('model_id', cfg['model'])} {model.get('dtype', '')}, a local Dask cluster of "
-             f"{cfg['workers']} worker processes on {m['cpu']} ({m['cores']} cores), every system side by side in "
-             f"one invocation on the same prompts; medians of {cfg['reps']} repetitions (spread in the summary; "
-             "exp 7: one stream of workflows per rate). TTFT runs from the workflow's start to the agent's first "
-             "token, shared prefill included, for every system. Cold: all caches empty; warm: the shared context "
-             "left cached by an earlier workflow (text replay has no cache: its warm cells repeat its cold run). "
-             "Ratios are against the best baseline at each point.", ""]
-    lines += _table(head, body)
-    mism = [r for r in summary if r.get("invalid")]
-    lines += ["", "Every system's tokens matched text replay's at every point." if not mism else
-              "Refused (outputs differed or TTFT broke its invariant): "
-              + ", ".join(f"{r['exp']} {r[POINT_KEY[r['exp']]]} {r['system']} {r['phase']}" for r in mism) + "."]
-    e3 = exp3_errors(doc.get("exp3") or [])
-    if e3["worst"]:
-        c = e3["correct"]["runtime_correct"]
-        lines += ["", f"Transfer vs recompute (exp 3, loopback and tc-throttled links, near-tie rates included): the "
-                      f"runtime's plan picked the faster option at {c['right']}/{c['of']} points "
-                      f"({c['near_tie_right']}/{c['near_tie_of']} near ties); {e3['within_25']}/{e3['of']} cost-model "
-                      f"predictions within +-25%, worst {e3['worst'][1]:+.0%}."]
-    ts = doc.get("targets") or targets(doc, summary)
-    lines += ["", "Targets: " + "; ".join(f"{t['target']}: "
-                                          + {True: "met", False: "**missed**", None: "not measured"}[t["ok"]]
-                                          + f" ({t['detail']})" for t in ts) + "."]
-    lines += ["", "All tables, the spread, memory (exp 4), overhead (exp 5) and plots: "
-                  "[benchmarks/results/SUMMARY.md](benchmarks/results/SUMMARY.md)."]
     return "\n".join(lines) + "\n"

@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default=None, help="file name tag (default: the profile)")
     ap.add_argument("--summary", default=None, help="markdown summary path")
     ap.add_argument("--readme", default=None,
-                    help="rewrite this README's results block (between its bench:results markers) from the run")
+                    help="rewrite the bench blocks of this README and of benchmarks/README.md beside it from the "
+                         "run (bench:headline and bench:results markers; see readme_blocks)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -231,10 +232,11 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
         doc["files"] = [str(f) for f in files]
         log("wrote:\n  " + "\n  ".join(str(f) for f in files))
         if readme is not None and "error" not in doc:
-            from .report_md import update_readme
+            from .readme_blocks import update_readmes
 
-            block = (out_dir / f"bench_{tag}_readme.md").read_text()
-            log(f"README results block {'rewritten' if update_readme(readme, block) else 'NOT found'} in {readme}")
+            for line in update_readmes(readme, doc, doc["summary"], out_dir / f"bench_{tag}.json",
+                                       summary_path or out_dir / f"SUMMARY_{tag}.md"):
+                log(line)
     return doc
 
 
@@ -351,20 +353,19 @@ def main(argv=None) -> int:
     try:
         cfg = resolve(args)
         validation.byte_size("--memory-limit", args.memory_limit)
-        from .common import RESULTS_DIR, command_line
+        from .common import RESULTS_DIR, command_line, summary_file
 
         out_dir = validation.writable_dir("--out", args.out) if args.out else RESULTS_DIR
         tag = args.tag or cfg["profile"]
         if not tag or os.sep in tag or tag in (".", ".."):
             raise InvalidInputError(f"--tag must be a plain file-name part, got {tag!r}")
         summary = Path(validation.writable_file("--summary", args.summary)) if args.summary else \
-            out_dir / ("SUMMARY.md" if tag == "full" else f"SUMMARY_{tag}.md")
+            summary_file(out_dir, tag)
         readme = Path(validation.writable_file("--readme", args.readme)) if args.readme else None
         if readme is not None:
-            from .report_md import README_END, README_START
+            from .readme_blocks import readme_files
 
-            if not readme.is_file() or README_START not in readme.read_text() or README_END not in readme.read_text():
-                raise InvalidInputError(f"--readme {str(readme)!r} has no {README_START} ... {README_END} block")
+            readme_files(readme)  # some bench block to rewrite, checked before the run
     except InvalidInputError as e:
         print(f"daskflow-kv bench: error: {e}", file=sys.stderr)
         return 2

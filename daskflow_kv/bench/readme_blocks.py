@@ -1,0 +1,218 @@
+"""The bench blocks of the READMEs: the full results table and the headline table.
+
+Each block sits between its own pair of markers in a markdown file: the full results
+(benchmarks/README.md) and a short headline (the top-level README). ``daskflow-kv bench
+--readme README.md`` rewrites every block of README.md and of benchmarks/README.md beside
+it from the run it has just made; ``python -m daskflow_kv.bench.readme_blocks RUN.json
+--readme README.md`` renders the same blocks from a saved run without measuring again.
+Every figure comes from the run's summary rows (``summary.summarize``), nothing modeled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from .. import validation
+from ..errors import InvalidInputError
+from .common import summary_file
+from .report_md import _find, _points, _table, _val
+from .summary import POINT_KEY, SUBJECT, best_baseline, exp3_errors, gain, summarize, targets
+from .systems import LABELS
+
+# The generated blocks a markdown file may hold, each between its own pair of markers: the full
+# results table (its home: benchmarks/README.md) and the headline table (the top-level README).
+RESULTS_MARKERS = ("<!-- bench:results:start -->", "<!-- bench:results:end -->")
+HEADLINE_MARKERS = ("<!-- bench:headline:start -->", "<!-- bench:headline:end -->")
+BLOCK_MARKERS = (RESULTS_MARKERS, HEADLINE_MARKERS)
+RESULTS_HOME = Path("benchmarks") / "README.md"  # beside the README that --readme names
+
+
+def blocks_in(text: str) -> list[tuple[str, str]]:
+    """The marker pairs of the bench blocks ``text`` holds: each marker alone on its line, in
+    order (a marker quoted inside a sentence, as docs do, is not one)."""
+    return [pair for pair in BLOCK_MARKERS if _block_pattern(pair).search(text)]
+
+
+def _block_pattern(markers: tuple[str, str]) -> re.Pattern:
+    start, end = (re.escape(m) for m in markers)
+    return re.compile(rf"^{start}[ \t]*$.*?^{end}[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def readme_files(readme) -> list[Path]:
+    """The files ``--readme README`` rewrites: README and, when it exists, benchmarks/README.md
+    beside it; refused (one line, before any run) if none of them holds a bench block."""
+    readme = Path(readme)
+    home = readme.parent / RESULTS_HOME
+    files = [readme] + ([home] if home.is_file() and home.resolve() != readme.resolve() else [])
+    files = [f for f in files if f.is_file() and blocks_in(f.read_text())]
+    if not files:
+        raise InvalidInputError(f"--readme {str(readme)!r}: neither it nor {str(home)!r} has a "
+                                f"{RESULTS_MARKERS[0]} or {HEADLINE_MARKERS[0]} block")
+    for f in files:
+        validation.writable_file("--readme", f)
+    return files
+
+
+def update_readmes(readme, doc: dict, summary: list[dict], json_path, summary_path) -> list[str]:
+    """Rewrite every bench block of ``readme_files(readme)`` from this run; one line per file.
+
+    Links in a block (the run's JSON, its SUMMARY) are made relative to the file's folder, so
+    one run renders correctly into README.md and into benchmarks/README.md."""
+    done = []
+    for path in readme_files(readme):
+        text = path.read_text()
+        found = blocks_in(text)
+        for pair in found:
+            block = (readme_table(doc, summary, _relative(summary_path, path)) if pair == RESULTS_MARKERS
+                     else headline_table(doc, summary, _relative(json_path, path)))
+            text = _replace_block(text, pair, block)
+        path.write_text(text)
+        done.append(f"{path}: {', '.join(start for start, _ in found)} rewritten")
+    return done
+
+
+def _replace_block(text: str, markers: tuple[str, str], block: str) -> str:
+    start, end = markers
+    return _block_pattern(markers).sub(lambda _: f"{start}\n{block.rstrip()}\n{end}", text, count=1)
+
+
+def _relative(target, into: Path) -> str:
+    return Path(os.path.relpath(Path(target).resolve(), into.resolve().parent)).as_posix()
+
+
+_VERDICT = {True: "met", False: "**missed**", None: "not measured"}
+
+
+def _agreement(summary: list[dict]) -> str:
+    refused = [r for r in summary if r.get("invalid")]
+    if not refused:
+        return "Every system's tokens matched text replay's at every point."
+    return ("Refused (outputs differed or TTFT broke its invariant): "
+            + ", ".join(f"{r['exp']} {r[POINT_KEY[r['exp']]]} {r['system']} {r['phase']}" for r in refused) + ".")
+
+
+def readme_table(doc: dict, summary: list[dict], summary_link: str = "benchmarks/results/SUMMARY.md") -> str:
+    """The full results block (benchmarks/README.md): every figure from this run's summary,
+    nothing modeled. ``summary_link``: the run's SUMMARY, relative to where the block goes."""
+    systems = [s for s in ("text", "hf", "local", "dkv") if any(r["system"] == s for r in summary)]
+    head = ["experiment"] + [LABELS.get(s, s).split(" (")[0] for s in systems] + ["daskflow-kv vs best baseline"]
+    body = []
+
+    def add(label, exp, point, metric, fmt, phases=("cold", "warm"), higher_better=False):
+        phases = [p for p in phases if any(r["exp"] == exp and r["phase"] == p for r in summary)]
+        for ph in phases:
+            cells = [f"{label} ({ph})" if len(phases) > 1 or ph != "cold" else label]
+            for s in systems:
+                r = _find(summary, exp, point, s, ph) or (_find(summary, exp, point, s, "cold")
+                                                          if s == "text" and ph == "warm" else None)
+                cells.append(_val(r, metric, fmt))
+            g, name = gain(summary, exp, point, ph, metric, higher_better)
+            cells.append("-" if g is None else f"**{g:.2f}x** (vs {name})")
+            body.append(cells)
+
+    cfg = doc["config"]
+    for ctx in _points(summary, "exp1"):
+        add(f"mean TTFT, {cfg['agents']} agents, {ctx}-token context, s", "exp1", ctx, "ttft_mean_s", "{:.2f}")
+    for k in _points(summary, "exp2"):
+        add(f"wall, {k} agent{'s' if k != 1 else ''}, {cfg['exp2_context']}-token context, s", "exp2", k, "wall_s", "{:.2f}")
+    for wf in _points(summary, "exp6"):
+        add(f"wall, {wf} (multi-round), s", "exp6", wf, "wall_s", "{:.2f}", ("cold",))
+    rates = _points(summary, "exp7")
+    if rates:
+        top = rates[-1]
+        add(f"completed workflows/min at {top:g}/min offered", "exp7", top, "completed_per_min", "{:.1f}", ("stream",),
+            higher_better=True)
+    m, model = doc["machine"], doc.get("model", {})
+    lines = [f"Measured by `{doc['command']}` ({doc.get('total_s', 0) / 60:.0f} min, {m.get('time_utc', '')}): "
+             f"{model.get('model_id', cfg['model'])} {model.get('dtype', '')}, a local Dask cluster of "
+             f"{cfg['workers']} worker processes on {m['cpu']} ({m['cores']} cores), every system side by side in "
+             f"one invocation on the same prompts; medians of {cfg['reps']} repetitions (spread in the summary; "
+             "exp 7: one stream of workflows per rate). TTFT runs from the workflow's start to the agent's first "
+             "token, shared prefill included, for every system. Cold: all caches empty; warm: the shared context "
+             "left cached by an earlier workflow (text replay has no cache: its warm cells repeat its cold run). "
+             "Ratios are against the best baseline at each point.", ""]
+    lines += _table(head, body)
+    lines += ["", _agreement(summary)]
+    e3 = exp3_errors(doc.get("exp3") or [])
+    if e3["worst"]:
+        c = e3["correct"]["runtime_correct"]
+        lines += ["", f"Transfer vs recompute (exp 3, loopback and tc-throttled links, near-tie rates included): the "
+                      f"runtime's plan picked the faster option at {c['right']}/{c['of']} points "
+                      f"({c['near_tie_right']}/{c['near_tie_of']} near ties); {e3['within_25']}/{e3['of']} cost-model "
+                      f"predictions within +-25%, worst {e3['worst'][1]:+.0%}."]
+    ts = doc.get("targets") or targets(doc, summary)
+    lines += ["", "Targets: " + "; ".join(f"{t['target']}: {_VERDICT[t['ok']]} ({t['detail']})" for t in ts) + "."]
+    lines += ["", "All tables, the spread, memory (exp 4), overhead (exp 5) and plots: "
+                  f"[{summary_link}]({summary_link})."]
+    return "\n".join(lines) + "\n"
+
+
+def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/results/bench_full.json") -> str:
+    """The top-level README's headline: mean TTFT cold and warm at the shortest and longest
+    context and the stream's throughput, each against the best baseline at that point; then
+    agreement and the targets. Every figure from this run (``json_link``: its JSON)."""
+    cfg, m, model = doc["config"], doc["machine"], doc.get("model", {})
+    body, named = [], {}  # the table's rows; the baselines it names (in order)
+
+    def add(label, exp, point, phase, metric, fmt, higher_better=False):
+        name, base = best_baseline(summary, exp, point, phase, metric, higher_better)
+        if base is not None:
+            named[name] = LABELS.get(name, name)
+        g, _ = gain(summary, exp, point, phase, metric, higher_better)
+        body.append([label, "-" if base is None else f"{fmt.format(base)} ({name})",
+                     _val(_find(summary, exp, point, SUBJECT, phase), metric, fmt),
+                     "-" if g is None else f"**{g:.2f}x**"])
+
+    contexts = _points(summary, "exp1")
+    for ph in ("cold", "warm"):
+        for ctx in dict.fromkeys(contexts[:1] + contexts[-1:]):
+            if _find(summary, "exp1", ctx, SUBJECT, ph):
+                add(f"mean TTFT, {cfg['agents']} agents, {ctx}-token context, s ({ph})", "exp1", ctx, ph,
+                    "ttft_mean_s", "{:.2f}")
+    rates = _points(summary, "exp7")
+    if rates:
+        add(f"completed workflows/min at {rates[-1]:g}/min offered (stream)", "exp7", rates[-1], "stream",
+            "completed_per_min", "{:.1f}", higher_better=True)
+    lines = [f"From `{doc['command']}` ({m.get('time_utc', '')[:10]}): {model.get('model_id', cfg['model'])} "
+             f"{model.get('dtype', '')}, {cfg['workers']} Dask worker processes on {m['cores']} cores, medians of "
+             f"{cfg['reps']}; every figure is in [{json_link}]({json_link}). TTFT runs from the workflow's start "
+             "(shared prefill included); cold: caches empty, warm: the shared context cached by an earlier "
+             "workflow. The best baseline is the best of the baselines at each point"
+             + (" (" + "; ".join(f"{n}: {label}" for n, label in named.items()) + ")" if named else "") + ".", ""]
+    lines += _table(["measure", "best baseline", "daskflow-kv", "daskflow-kv vs best baseline"], body)
+    ts = doc.get("targets") or targets(doc, summary)
+    missed = [t for t in ts if t["ok"] is False]
+    lines += ["", _agreement(summary),
+              "", f"Targets met: {sum(t['ok'] is True for t in ts)} of {len(ts)}"
+              + ("; missed: " + "; ".join(f"{t['target']} ({t['detail']})" for t in missed) if missed else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Re-render the README blocks from a saved run, without measuring again."""
+    ap = validation.ArgumentParser(prog="python -m daskflow_kv.bench.readme_blocks", description=main.__doc__)
+    ap.add_argument("run_json", help="a bench_<tag>.json written by `daskflow-kv bench`")
+    ap.add_argument("--readme", required=True, help="as for `daskflow-kv bench --readme`")
+    args = ap.parse_args(argv)
+    try:
+        path = Path(validation.readable_file("run_json", args.run_json))
+        doc = json.loads(path.read_text())
+        if not doc.get("runs"):
+            raise InvalidInputError(f"{str(path)!r} holds no runs to render")
+        readme_files(args.readme)
+    except (InvalidInputError, ValueError) as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    # the medians as the run summarized them (its targets too: readme_table reads doc["targets"])
+    summary = doc.get("summary") or summarize(doc["runs"])
+    for line in update_readmes(args.readme, doc, summary, path, summary_file(path.parent, doc["tag"])):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

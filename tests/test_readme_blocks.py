@@ -1,0 +1,101 @@
+"""The generated blocks of README.md and benchmarks/README.md. Pure: no cluster, no model.
+
+The committed blocks must be exactly what ``readme_blocks`` renders from the published
+run's JSON (nothing hand-typed); one ``--readme README.md`` rewrites README's headline and
+benchmarks/README.md's full block, with links relative to each file; a marker quoted in a
+sentence is not a block; a file with no block is refused before any run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from daskflow_kv.bench import readme_blocks as rb
+from daskflow_kv.bench.run import main as bench_main
+from daskflow_kv.errors import InvalidInputError
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "benchmarks" / "results" / "bench_full.json"
+
+
+def _block(text: str, markers) -> str:
+    start, end = markers
+    return text.split(f"\n{start}\n", 1)[1].split(f"\n{end}", 1)[0]
+
+
+def _published():
+    doc = json.loads(PUBLISHED.read_text())
+    return doc, doc["summary"]
+
+
+def test_committed_blocks_are_rendered_from_the_published_json():
+    doc, summary = _published()
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "benchmarks" / "README.md").read_text()
+    assert rb.blocks_in(readme) == [rb.HEADLINE_MARKERS] and rb.blocks_in(bench) == [rb.RESULTS_MARKERS]
+    assert _block(readme, rb.HEADLINE_MARKERS) == rb.headline_table(doc, summary).rstrip()
+    assert _block(bench, rb.RESULTS_MARKERS) == rb.readme_table(doc, summary, "results/SUMMARY.md").rstrip()
+
+
+def test_headline_compares_with_the_best_baseline_and_names_missed_targets():
+    doc, summary = _published()
+    text = rb.headline_table(doc, summary)
+    rows = [line for line in text.splitlines() if line.startswith("| mean TTFT") or line.startswith("| completed")]
+    assert len(rows) == 5  # shortest and longest context, cold and warm; the stream
+    assert all(r.count("(local)") == 1 and "**" in r for r in rows)  # the best baseline here: local
+    assert "tokens matched text replay's at every point" in text
+    missed = [t["target"] for t in doc["targets"] if t["ok"] is False]
+    assert missed and all(t in text for t in missed)
+    assert f"Targets met: {sum(t['ok'] is True for t in doc['targets'])} of {len(doc['targets'])}" in text
+
+
+def _tree(tmp_path):
+    """A README with a headline block and benchmarks/README.md quoting a marker, then holding the block."""
+    (tmp_path / "benchmarks").mkdir()
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- bench:headline:start -->\nSTALE-BLOCK\n<!-- bench:headline:end -->\n\nafter\n")
+    bench = tmp_path / "benchmarks" / "README.md"
+    bench.write_text("The block sits between `<!-- bench:results:start -->` and its end marker.\n\n"
+                     "<!-- bench:results:start -->\nSTALE-BLOCK\n<!-- bench:results:end -->\ntail\n")
+    return readme, bench
+
+
+def test_one_readme_flag_rewrites_both_files_with_relative_links(tmp_path):
+    doc, summary = _published()
+    readme, bench = _tree(tmp_path)
+    json_path, summary_path = tmp_path / "benchmarks" / "results" / "r.json", tmp_path / "benchmarks" / "results" / "S.md"
+    lines = rb.update_readmes(readme, doc, summary, json_path, summary_path)
+    assert len(lines) == 2
+    r, b = readme.read_text(), bench.read_text()
+    assert "STALE-BLOCK" not in r and r.endswith("<!-- bench:headline:end -->\n\nafter\n")
+    assert "(benchmarks/results/r.json)" in r
+    assert b.startswith("The block sits between `<!-- bench:results:start -->` and its end marker.\n\n")
+    assert "STALE-BLOCK" not in b and b.endswith("<!-- bench:results:end -->\ntail\n") and "(results/S.md)" in b
+    rb.update_readmes(readme, doc, summary, json_path, summary_path)  # idempotent
+    assert (readme.read_text(), bench.read_text()) == (r, b)
+
+
+def test_rerender_entry_point(tmp_path):
+    readme, bench = _tree(tmp_path)
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir()
+    shutil.copy(PUBLISHED, results / "bench_full.json")
+    assert rb.main([str(results / "bench_full.json"), "--readme", str(readme)]) == 0
+    assert "(benchmarks/results/bench_full.json)" in readme.read_text()
+    assert "(results/SUMMARY.md)" in bench.read_text()  # the full profile's summary name
+
+
+def test_a_readme_without_blocks_is_refused_before_the_run(tmp_path, capsys):
+    plain = tmp_path / "README.md"
+    plain.write_text("quotes `<!-- bench:results:start -->` and `<!-- bench:results:end -->` only\n")
+    with pytest.raises(InvalidInputError, match="has a <!-- bench:results:start -->"):
+        rb.readme_files(plain)
+    assert bench_main(["--profile", "smoke", "--out", str(tmp_path), "--readme", str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("daskflow-kv bench: error: --readme") and len(err.splitlines()) == 1
+    assert not list(tmp_path.glob("bench_*"))  # nothing ran
+    assert rb.main([str(PUBLISHED), "--readme", str(plain)]) == 2
