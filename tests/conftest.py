@@ -1,22 +1,28 @@
 import math
 import os
-import sys
 import time
 
-# gen_cluster (tests/plugins/) resets dask.config after each test to the copy
-# distributed.utils_test took when it was first imported: register the daskflow-kv defaults
-# before that copy, or every test after a gen_cluster test runs without them.
-assert "distributed.utils_test" not in sys.modules, "import daskflow_kv.config before distributed.utils_test"
-import daskflow_kv.config  # noqa: E402 -- registers the daskflow-kv defaults
-import distributed.utils_test  # noqa: E402 -- now takes its copy with them
+import copy
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-assert daskflow_kv.config.NAMESPACE in distributed.utils_test.original_config
+import dask.config
+import pytest
+import torch
 
 # Tests run on 2 cores next to Dask worker processes: keep torch from oversubscribing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+
+@pytest.fixture(autouse=True)
+def _dask_config_kept():
+    """Every test leaves dask.config as it found it. distributed's gen_cluster (tests/plugins/)
+    resets it to the copy distributed.utils_test took on import, which lacks whatever was
+    registered later (daskflow-kv's and dask-jobqueue's defaults) if nothing restored it."""
+    saved = copy.deepcopy(dask.config.config)
+    yield
+    dask.config.config.clear()
+    dask.config.config.update(saved)
+
 
 ARCHS = ["tiny-llama", "tiny-qwen2"]
 DTYPES = ["float32", "bfloat16"]

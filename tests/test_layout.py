@@ -31,8 +31,8 @@ ALLOWED = {
     "policy": {"errors", "config", "validation"},
     "transport": {"errors", "config", "keys"},  # tensors on the wire: serializers, sizeof
     "store": {"state", "transport", "keys", "errors", "config", "validation"},  # the persistent tier
-    "model": {"state", "keys", "errors", "config", "validation"},
-    "engine": {"model", "state", "keys", "errors", "config", "validation"},
+    "model": {"state", "policy", "keys", "errors", "config", "validation"},
+    "engine": {"model", "state", "policy", "keys", "errors", "config", "validation"},
     # scheduler side torch-free; worker plugins import store/transport in ``setup``, on the worker
     "plugins": {"state", "policy", "store", "transport", "keys", "errors", "config", "validation", "dask_internals"},
     "runtime": {"plugins", "model", "store", "transport", "state", "policy", "keys", "errors", "config", "validation",
