@@ -1,8 +1,7 @@
+import copy
 import math
 import os
 import time
-
-import copy
 
 import dask.config
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 # Tests run on 2 cores next to Dask worker processes: keep torch from oversubscribing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
 
 
 @pytest.fixture(autouse=True)
