@@ -42,7 +42,7 @@ class ForkGenerations(list):
     stats: BatchStats | None = None
 
 
-class Engine(TextCodec):
+class Engine:
     def __init__(
         self,
         model: str | None = None,
@@ -62,6 +62,7 @@ class Engine(TextCodec):
             lm = load_model(model, dtype=dtype, device=device)
             runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
         self.runner = runner
+        self.codec = TextCodec(runner.tokenizer)  # text <-> ids, as the runtime does it
         self.store = BlockStore()
         self.index = PrefixIndex()
         self._states: dict[str, KVState] = {}  # live descriptors by id, for lineage lookups
@@ -74,6 +75,12 @@ class Engine(TextCodec):
     @property
     def tokenizer(self):
         return self.runner.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.codec.encode(text)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.codec.decode(tokens)
 
     @property
     def block_size(self) -> int:

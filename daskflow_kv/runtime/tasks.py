@@ -151,7 +151,8 @@ def get_runner(spec: ModelSpec) -> ModelRunner:
         return _runner(spec)
 
 
-def _worker_address() -> str:
+def worker_address() -> str:
+    """The address of the worker running this task (``local-<pid>`` outside one)."""
     try:
         from distributed import get_worker
 
@@ -160,7 +161,8 @@ def _worker_address() -> str:
         return f"local-{os.getpid()}"
 
 
-def _report(event: dict) -> None:
+def report_prefill(event: dict) -> None:
+    """A prefill's timing, for the scheduler plugin's fitted profiles (the prefill topic)."""
     try:
         from distributed import get_worker
 
@@ -195,8 +197,8 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
         req.stream,
         req.return_logits,
     )
-    worker = _worker_address()
-    _report(
+    worker = worker_address()
+    report_prefill(
         {
             "worker": worker,
             "op": req.op,
@@ -209,10 +211,10 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
             "done_at": time.time(),  # wall clock: its K/V (the prefix it made) exist from here on
         }
     )
-    return _output(out, worker)
+    return prefill_output(out, worker)
 
 
-def _output(out, worker: str) -> PrefillOutput:
+def prefill_output(out, worker: str) -> PrefillOutput:
     """A runner's RunOutput as a task result: blocks and their spans, tensors not copied."""
     return PrefillOutput(
         out.generated,
@@ -249,8 +251,8 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
         [r.stream for r in reqs],
         reqs[0].return_logits,
     )
-    worker = _worker_address()
-    _report(
+    worker = worker_address()
+    report_prefill(
         {
             "worker": worker,
             "op": breq.op,
@@ -266,7 +268,7 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
             "done_at": time.time(),
         }
     )
-    outputs = [_output(out, worker) for out in batch]
+    outputs = [prefill_output(out, worker) for out in batch]
     return BatchPrefillOutput(outputs, batch.stats.as_dict(), worker)
 
 
@@ -298,7 +300,7 @@ def text_generate(
 ) -> GenerationResult:
     """Text mode on a worker: the whole prompt prefilled from nothing, nothing kept."""
     out = get_runner(spec).run([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False)
-    return GenerationResult(out.generated, out.metrics.as_dict(), _worker_address(), out.logits)
+    return GenerationResult(out.generated, out.metrics.as_dict(), worker_address(), out.logits)
 
 
 def probe_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
