@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from dataclasses import dataclass
 
 from distributed import Client, wait
 
@@ -74,21 +75,13 @@ def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, work
         f.result()  # a failed probe says so here
 
 
+@dataclass(slots=True, eq=False)
 class Calibrator:
-    __slots__ = ("client", "plugin", "spec", "facts", "tier")
     client: Client  # runs the probes
     plugin: PluginClient  # records the links; reports the fitted prefill profiles
     spec: tasks.ModelSpec  # the model prefilled (and its device: a GPU cluster measures device moves)
     facts: tasks.ModelFacts  # its vocabulary and longest position
     tier: PersistentTier  # the persistent store, probed too when there is one
-
-    def __init__(self, client: Client, plugin: PluginClient, spec: tasks.ModelSpec, facts: tasks.ModelFacts,
-                 tier: PersistentTier):
-        self.client = client
-        self.plugin = plugin
-        self.spec = spec
-        self.facts = facts
-        self.tier = tier
 
     def record_link(self, src: str, dst: str, probe_bytes: int) -> LinkProfile:
         """Measure src -> dst and give the figures to the plugin (this namespace's plans use them)."""

@@ -9,6 +9,7 @@ private blocks Dask frees once their readers are done.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from distributed import Future
 
@@ -25,12 +26,9 @@ from .submit import Submitter
 Replicas = dict[tuple[int, str | None], tuple[Future, ...]]  # (id of the HeldPrefix, worker) -> its rebuilt blocks
 
 
+@dataclass(slots=True, eq=False)
 class PrefixInputs:
-    __slots__ = ("submitter",)
     submitter: Submitter  # submits the rebuilds
-
-    def __init__(self, submitter: Submitter):
-        self.submitter = submitter
 
     def for_placement(self, held: HeldPrefix, p: Placement, tokens: Sequence[int], replicas: Replicas,
                       view: ClusterView | None = None) -> tuple[list[Future], list[str]]:

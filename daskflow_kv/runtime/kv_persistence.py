@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from distributed import Client, fire_and_forget
 
@@ -37,24 +38,15 @@ def store_settings(kv_store: str | None, kv_store_write: str | None) -> tuple[ob
     return (open_store(url) if url else None), write
 
 
+@dataclass(slots=True, eq=False)
 class PersistentTier:
-    __slots__ = ("client", "store", "store_write", "fingerprint_digest", "samples", "decisions", "_stored")
     client: Client  # runs the writes and probes on workers
     store: object | None  # the opened KV store (store.kv_store), None without one
     store_write: str  # all | materialize-only | off
     fingerprint_digest: str  # the model's fingerprint, stamped on every stored block
-    samples: deque[StoreSample]  # load timings measured on workers, newest last
-    decisions: deque[StoreDecision]  # load-or-prefill decisions, oldest first
-    _stored: set[str]  # keys this runtime knows the store has (or will have)
-
-    def __init__(self, client: Client, store, store_write: str, fingerprint_digest: str):
-        self.client = client
-        self.store = store
-        self.store_write = store_write
-        self.fingerprint_digest = fingerprint_digest
-        self.samples = deque(maxlen=64)
-        self.decisions = deque(maxlen=1024)
-        self._stored = set()
+    samples: deque[StoreSample] = field(default_factory=lambda: deque(maxlen=64))  # load timings, newest last
+    decisions: deque[StoreDecision] = field(default_factory=lambda: deque(maxlen=1024))  # oldest first
+    _stored: set[str] = field(default_factory=set, repr=False)  # keys the store has (or will have), as known here
 
     # -- writes -----------------------------------------------------------------------------
     def writes(self, op: str) -> bool:

@@ -14,6 +14,7 @@ A merge that can concatenate (``state.compat.check_concat``) makes no block at a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from ..errors import MergeError
 from ..policy.placement import read_blocks
@@ -33,35 +34,28 @@ from .store_reader import StoreReader
 from .submit import Submitter
 
 
+@dataclass(slots=True, eq=False)
 class Materializer:
-    __slots__ = ("prefixes", "store_reader", "tier", "planner", "parallel", "inputs", "submitter", "publisher",
-                 "registry", "facts", "block_size")
     prefixes: PrefixCache  # memory lookups
-    store_reader: StoreReader  # the store read path
     tier: PersistentTier  # whether new blocks are written through
     planner: Planner  # where the prefill runs
-    parallel: ParallelPrefill  # whether it is split, and the chunk tasks
-    inputs: PrefixInputs  # the cached prefix a single prefill reads
     submitter: Submitter  # submits the prefill
     publisher: Publisher  # the new blocks
-    registry: StateRegistry  # the new state
+    registry: StateRegistry  # the new state (and a concatenating merge's)
     facts: tasks.ModelFacts  # longest position, whether prefill stays block-aligned
-    block_size: int  # tokens per block
+    store_reader: StoreReader = field(init=False)  # the store read path
+    parallel: ParallelPrefill = field(init=False)  # whether a prefill is split, and the chunk tasks
+    inputs: PrefixInputs = field(init=False)  # the cached prefix a single prefill reads
 
-    def __init__(self, prefixes: PrefixCache, tier: PersistentTier, planner: Planner, submitter: Submitter,
-                 publisher: Publisher, registry: StateRegistry, facts: tasks.ModelFacts):
-        self.prefixes = prefixes
-        self.store_reader = StoreReader(submitter.client, tier, planner, submitter, publisher, prefixes.key_digest,
-                                        facts.bytes_per_token)
-        self.tier = tier
-        self.planner = planner
-        self.parallel = ParallelPrefill(planner, submitter, facts)
-        self.inputs = PrefixInputs(submitter)
-        self.submitter = submitter
-        self.publisher = publisher
-        self.registry = registry
-        self.facts = facts
-        self.block_size = submitter.block_size
+    def __post_init__(self):
+        self.store_reader = StoreReader(self.submitter.client, self.tier, self.planner, self.submitter, self.publisher,
+                                        self.prefixes.key_digest, self.facts.bytes_per_token)
+        self.parallel = ParallelPrefill(self.planner, self.submitter, self.facts)
+        self.inputs = PrefixInputs(self.submitter)
+
+    @property
+    def block_size(self) -> int:
+        return self.submitter.block_size
 
     def run(self, tokens: Sequence[int], op: str, parents: Sequence[DistKVState], worker: str | None = None,
             parallel: int | str = 1, **detail) -> DistKVState:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from distributed import Future
 
@@ -48,20 +49,16 @@ def patience() -> Patience:
                     config.get_seconds("parallel.probe-interval"), config.get_seconds("parallel.send-timeout"))
 
 
+@dataclass(slots=True, eq=False)
 class ParallelPrefill:
-    __slots__ = ("planner", "submitter", "facts", "block_size", "plans")
     planner: Planner  # views and calibration for a forced width
     submitter: Submitter  # submits the chunk tasks
     facts: tasks.ModelFacts  # K/V bytes per token, layers, whether prefill must stay block-aligned
-    block_size: int  # tokens per block
-    plans: deque[ParallelPlan]  # every choice made (width 1 included), oldest first, for explain()
+    plans: deque[ParallelPlan] = field(default_factory=lambda: deque(maxlen=256))  # every choice, oldest first
 
-    def __init__(self, planner: Planner, submitter: Submitter, facts: tasks.ModelFacts):
-        self.planner = planner
-        self.submitter = submitter
-        self.facts = facts
-        self.block_size = submitter.block_size
-        self.plans = deque(maxlen=256)
+    @property
+    def block_size(self) -> int:
+        return self.submitter.block_size
 
     def plan(self, view: ClusterView, target: str | None, start: int, end: int, reused: int,
              parallel) -> ParallelPlan | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..policy.cluster_view import ClusterView
 from ..policy.cost_model import Decision, NeedsCalibration, PrefillProfile
@@ -40,20 +40,13 @@ def predict_seconds(view: ClusterView, worker: str | None, reused: int, new_toke
     return None if prof is None else batch_seconds(prof, reused, new_tokens, max_new_tokens)
 
 
+@dataclass(slots=True, eq=False)
 class Planner:
-    __slots__ = ("plugin", "calibrator", "bandwidth_override", "prefill_override", "decisions")
     plugin: PluginClient  # answers snapshots
     calibrator: Calibrator  # measures what the cost model lacks
-    bandwidth_override: float | None  # bytes/s for every pair (what-if, tests)
-    prefill_override: PrefillProfile | None  # one profile for every worker (what-if, tests)
-    decisions: deque[Decision]  # cost-model decisions, one per destination, oldest first
-
-    def __init__(self, plugin: PluginClient, calibrator: Calibrator):
-        self.plugin = plugin
-        self.calibrator = calibrator
-        self.bandwidth_override = None
-        self.prefill_override = None
-        self.decisions = deque(maxlen=1024)
+    bandwidth_override: float | None = None  # bytes/s for every pair (what-if, tests)
+    prefill_override: PrefillProfile | None = None  # one profile for every worker (what-if, tests)
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=1024))  # one per destination, oldest first
 
     def view(self) -> ClusterView:
         return self.plugin.snapshot(self.bandwidth_override, self.prefill_override)

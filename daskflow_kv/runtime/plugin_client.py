@@ -10,6 +10,7 @@ lookup answers a ``PrefixMatch``, a snapshot a ``ClusterView``. No other module 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from distributed import Client
 
@@ -18,14 +19,10 @@ from ..policy.cost_model import PrefillProfile
 from .session import KVSession, login
 
 
+@dataclass(slots=True, eq=False)
 class PluginClient:
-    __slots__ = ("client", "session")
     client: Client  # the Dask client whose scheduler runs the KV plugin
     session: KVSession  # this runtime's login; its token goes on every call
-
-    def __init__(self, client: Client, session: KVSession):
-        self.client = client
-        self.session = session
 
     @classmethod
     def login(cls, client: Client, namespace: str | None = None, secret: str | None = None) -> PluginClient:

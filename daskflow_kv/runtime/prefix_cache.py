@@ -54,18 +54,12 @@ class HeldPrefix:
         return HeldPrefix(PrefixMatch(blocks[-1].end if blocks else 0, blocks), futures, self.request)
 
 
+@dataclass(slots=True, eq=False)
 class PrefixCache:
-    __slots__ = ("client", "plugin", "key_digest", "block_size")
     client: Client  # owns the futures
     plugin: PluginClient  # answers lookups and acquires
     key_digest: str  # seeds this tenant's chain keys (``state.blocks.keyed_digest``)
     block_size: int  # tokens per block
-
-    def __init__(self, client: Client, plugin: PluginClient, key_digest: str, block_size: int):
-        self.client = client
-        self.plugin = plugin
-        self.key_digest = key_digest
-        self.block_size = block_size
 
     def find(self, tokens: Sequence[int]) -> HeldPrefix:
         """The longest cached prefix of ``tokens`` in this namespace, asked by its own chain keys."""

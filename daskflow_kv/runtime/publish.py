@@ -59,25 +59,14 @@ class PublishedBlocks:
     futures: tuple[Future, ...]  # one per ref: holding them keeps the blocks alive
 
 
+@dataclass(slots=True, eq=False)
 class Publisher:
-    __slots__ = ("prefixes", "submitter", "tier", "key_digest", "fingerprint_digest", "device", "bytes_per_token")
     prefixes: PrefixCache  # acquires blocks the scheduler already knows
     submitter: Submitter  # submits the tasks that make the others
     tier: PersistentTier  # write requests for blocks that are written through
     key_digest: str  # seeds block keys (the tenant's HMAC of the fingerprint)
     fingerprint_digest: str  # the model's fingerprint (catalog)
-    device: str  # where blocks live (catalog)
     bytes_per_token: int  # K/V bytes one token takes
-
-    def __init__(self, prefixes: PrefixCache, submitter: Submitter, tier: PersistentTier, key_digest: str,
-                 fingerprint_digest: str, bytes_per_token: int):
-        self.prefixes = prefixes
-        self.submitter = submitter
-        self.tier = tier
-        self.key_digest = key_digest
-        self.fingerprint_digest = fingerprint_digest
-        self.device = submitter.spec.device
-        self.bytes_per_token = bytes_per_token
 
     def publish(self, states: Sequence[NewBlocks], store: bool = False,
                 source: str | None = None) -> list[PublishedBlocks]:
@@ -118,4 +107,4 @@ class Publisher:
     def _meta(self, ref: BlockRef, parent: str | None, state_id: str) -> dict:
         return {"key": ref.key, "start": ref.start, "end": ref.end, "nbytes": ref.nbytes,
                 "tokens": list(ref.token_ids), "parent": parent, "fingerprint": self.fingerprint_digest,
-                "root": self.key_digest, "state_id": state_id, "device": self.device}
+                "root": self.key_digest, "state_id": state_id, "device": self.submitter.spec.device}

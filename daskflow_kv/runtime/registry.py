@@ -38,21 +38,13 @@ class NewState:
     detail: Mapping[str, object] = field(default_factory=dict)  # the lineage event's details
 
 
+@dataclass(slots=True, eq=False)
 class StateRegistry:
-    __slots__ = ("plugin", "fingerprint", "block_size", "device", "owner")
     plugin: PluginClient  # registers states with the catalog
     fingerprint: Fingerprint  # the model's, on every descriptor
     block_size: int  # tokens per block
     device: str  # where blocks live
-    owner: KVRuntime  # the runtime every handle answers to (release, who_has)
-
-    def __init__(self, plugin: PluginClient, fingerprint: Fingerprint, block_size: int, device: str,
-                 owner: KVRuntime):
-        self.plugin = plugin
-        self.fingerprint = fingerprint
-        self.block_size = block_size
-        self.device = device
-        self.owner = owner
+    owner: KVRuntime = field(repr=False)  # the runtime every handle answers to (release, who_has)
 
     def create(self, states: Sequence[NewState]) -> list[DistKVState]:
         """Handles for new states, all registered in one call."""

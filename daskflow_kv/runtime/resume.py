@@ -11,8 +11,9 @@ wall, measured).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import InitVar, dataclass, field
 
-from distributed import Client, Future
+from distributed import Future
 
 from ..keys import PREFILL, RESULT, task_key
 from ..model.sampling import SamplingParams
@@ -32,29 +33,22 @@ from .resume_planner import Branch, ResumePlanner, batch_groups
 from .submit import Submitter
 
 
+@dataclass(slots=True, eq=False)
 class Resumer:
-    __slots__ = ("client", "branches", "inputs", "submitter", "publisher", "registry", "tier", "codec", "facts")
-    client: Client  # gathers the small results
-    branches: ResumePlanner  # places the branches
-    inputs: PrefixInputs  # what each task reads
+    prefixes: InitVar[PrefixCache]  # one lookup per resumed state
+    planner: InitVar[Planner]  # placements
     submitter: Submitter  # submits the tasks
     publisher: Publisher  # the continuations' blocks
     registry: StateRegistry  # the continuations
     tier: PersistentTier  # whether resumed blocks are written through
     codec: TextCodec  # decodes the generated text
     facts: tasks.ModelFacts  # whether batched resume reproduces this model's attention
+    branches: ResumePlanner = field(init=False)  # places the branches
+    inputs: PrefixInputs = field(init=False)  # what each task reads
 
-    def __init__(self, prefixes: PrefixCache, planner: Planner, submitter: Submitter, publisher: Publisher,
-                 registry: StateRegistry, tier: PersistentTier, codec: TextCodec, facts: tasks.ModelFacts):
-        self.client = submitter.client
-        self.branches = ResumePlanner(prefixes, planner, facts)
-        self.inputs = PrefixInputs(submitter)
-        self.submitter = submitter
-        self.publisher = publisher
-        self.registry = registry
-        self.tier = tier
-        self.codec = codec
-        self.facts = facts
+    def __post_init__(self, prefixes: PrefixCache, planner: Planner):
+        self.branches = ResumePlanner(prefixes, planner, self.facts)
+        self.inputs = PrefixInputs(self.submitter)
 
     def run(self, states: Sequence[DistKVState], prompts: Sequence[list[int]], max_new_tokens: int,
             sampling: SamplingParams, policy: str, workers: Sequence[str] | None, return_logits: bool,
@@ -74,7 +68,7 @@ class Resumer:
             wanted.append((idxs, self._submit(idxs, branches, reqs, outputs, replicas, view, max_new_tokens)))
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
         results: list = [None] * len(branches)
-        for (idxs, _), got in zip(wanted, self.client.gather([f for _, f in wanted])):
+        for (idxs, _), got in zip(wanted, self.submitter.client.gather([f for _, f in wanted])):
             for i, res in zip(idxs, got if isinstance(got, list) else [got]):
                 results[i] = res
         return self._continue(states, prompts, branches, outputs, results, sids)

@@ -28,18 +28,11 @@ class Branch:
     placement: Placement  # where it runs and how its prefix gets there
 
 
+@dataclass(slots=True, eq=False)
 class ResumePlanner:
-    __slots__ = ("prefixes", "planner", "facts", "block_size")
     prefixes: PrefixCache  # one lookup per state
     planner: Planner  # views, placements, calibration
     facts: tasks.ModelFacts  # whether prefill stays block-aligned
-    block_size: int  # tokens per block
-
-    def __init__(self, prefixes: PrefixCache, planner: Planner, facts: tasks.ModelFacts):
-        self.prefixes = prefixes
-        self.planner = planner
-        self.facts = facts
-        self.block_size = prefixes.block_size
 
     def place(self, states: Sequence[DistKVState], prompts: Sequence[Sequence[int]], max_new_tokens: int,
               policy: str, workers: Sequence[str] | None) -> tuple[list[Branch], ClusterView]:
@@ -52,7 +45,7 @@ class ResumePlanner:
         for idxs in groups.values():
             held = self.prefixes.find(states[idxs[0]].tokens)
             # decode needs >= 1 fed token; below fp32 a prefill starts on a block boundary
-            reused = [reusable_prefix(min(held.tokens, len(prompts[i]) - 1), self.block_size,
+            reused = [reusable_prefix(min(held.tokens, len(prompts[i]) - 1), self.prefixes.block_size,
                                       self.facts.aligned_prefill) for i in idxs]
             new = [len(prompts[i]) - r for i, r in zip(idxs, reused)]
             placements, view = self.planner.place(view, held, PlanRequest(reused, new, max_new_tokens, policy,

@@ -12,6 +12,7 @@ verification ends the run there; the rest is prefilled (and written again).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from distributed import Client
 
@@ -28,27 +29,19 @@ from .publish import NewBlocks, Publisher, blocks_of
 from .submit import Submitter
 
 
+@dataclass(slots=True, eq=False)
 class StoreReader:
-    __slots__ = ("client", "tier", "planner", "submitter", "publisher", "key_digest", "block_size", "bytes_per_token")
     client: Client  # asks for each load's summary
     tier: PersistentTier  # the store, its measured speed and what it holds
     planner: Planner  # cluster views, and calibration when a price lacks a measurement
     submitter: Submitter  # submits the load task
     publisher: Publisher  # puts each loaded block under its key
     key_digest: str  # seeds this tenant's chain keys
-    block_size: int  # tokens per block
     bytes_per_token: int  # K/V bytes one token takes
 
-    def __init__(self, client: Client, tier: PersistentTier, planner: Planner, submitter: Submitter,
-                 publisher: Publisher, key_digest: str, bytes_per_token: int):
-        self.client = client
-        self.tier = tier
-        self.planner = planner
-        self.submitter = submitter
-        self.publisher = publisher
-        self.key_digest = key_digest
-        self.block_size = submitter.block_size
-        self.bytes_per_token = bytes_per_token
+    @property
+    def block_size(self) -> int:
+        return self.submitter.block_size
 
     def extend(self, tokens: Sequence[int], held: HeldPrefix, worker: str | None, sid: str) -> HeldPrefix:
         """``held`` extended with blocks loaded from the store, when loading them wins."""

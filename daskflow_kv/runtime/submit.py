@@ -47,20 +47,16 @@ class ComputeTask:
     extra: Mapping[str, object] = field(default_factory=dict)  # more annotations: gang, gang_size, chunk, branches
 
 
+@dataclass(slots=True, eq=False)
 class Submitter:
-    __slots__ = ("client", "spec", "session_token", "block_size", "bytes_per_token")
     client: Client  # where tasks are submitted
     spec: tasks.ModelSpec  # the model every compute task loads (its first argument)
     session_token: str  # names this client's tenant in every annotation
-    block_size: int  # tokens per block
     bytes_per_token: int  # K/V bytes one token takes in every layer
 
-    def __init__(self, client: Client, spec: tasks.ModelSpec, session_token: str, bytes_per_token: int):
-        self.client = client
-        self.spec = spec
-        self.session_token = session_token
-        self.block_size = spec.block_size
-        self.bytes_per_token = bytes_per_token
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
 
     # -- compute tasks ------------------------------------------------------------------------------
     def compute(self, task: ComputeTask) -> Future:
