@@ -33,30 +33,34 @@ from daskflow_kv.bench import local_engine as le
 from daskflow_kv.bench import systems as S
 from daskflow_kv.bench.common import RESULTS_DIR, command_line, log, machine_info, write_json
 from daskflow_kv.bench.workload import build_workload
+from daskflow_kv.runtime.plugin_client import PluginClient
+from daskflow_kv.runtime.submit import Submitter
 
 
 class Clock:
-    """Client-side timestamps of one run: RPCs and compute-task submissions."""
+    """Client-side timestamps of one run: RPCs and compute-task submissions (every runtime's,
+    while it is open: it wraps the parts' classes)."""
 
-    def __init__(self, rt):
-        self.rt, self.marks, self.rpcs = rt, [], []
-        self._rpc, self._compute = rt._rpc, rt._compute_task
+    def __init__(self):
+        self.marks, self.rpcs = [], []
+        self._call, self._compute = PluginClient.call, Submitter.compute
+        call, compute = self._call, self._compute
 
-        def rpc(name, **kw):
+        def timed_call(plugin, name, **kw):
             t = time.time()
-            out = self._rpc(name, **kw)
+            out = call(plugin, name, **kw)
             self.rpcs.append((name, t, time.time()))
             return out
 
-        def compute(fn, req, inputs, key, *a, **kw):
-            fut = self._compute(fn, req, inputs, key, *a, **kw)
-            self.marks.append(("submitted", key, time.time()))
+        def timed_compute(submitter, task):
+            fut = compute(submitter, task)
+            self.marks.append(("submitted", task.key, time.time()))
             return fut
 
-        rt._rpc, rt._compute_task = rpc, compute
+        PluginClient.call, Submitter.compute = timed_call, timed_compute
 
     def close(self):
-        self.rt._rpc, self.rt._compute_task = self._rpc, self._compute
+        PluginClient.call, Submitter.compute = self._call, self._compute
 
 
 def _starts(client, since: float) -> list[float]:
@@ -70,7 +74,7 @@ def one(b: S.Bench, wl) -> dict:
     rt = b.rt
     S.reset_caches(b)
     S.prime(b, "dkv", wl)
-    clock = Clock(rt)
+    clock = Clock()
     try:
         t0 = time.time()
         prefix = rt.materialize(wl.prefix)

@@ -44,7 +44,7 @@ class ForkGenerations(list):
     stats: BatchStats | None = None
 
 
-class Engine(TextCodec):
+class Engine:
     def __init__(
         self,
         model: str | None = None,
@@ -72,6 +72,7 @@ class Engine(TextCodec):
         # Serializes the block store and prefix index: with ``steps``, threads of one process share
         # this engine and wait for their forwards concurrently (forwards run outside the lock).
         self._lock = threading.RLock()
+        self.codec = TextCodec(runner.tokenizer)  # text <-> ids, as the runtime does it
         self.store = BlockStore()
         self.index = PrefixIndex()
         self._states: dict[str, KVState] = {}  # live descriptors by id, for lineage lookups
@@ -84,6 +85,12 @@ class Engine(TextCodec):
     @property
     def tokenizer(self):
         return self.runner.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.codec.encode(text)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.codec.decode(tokens)
 
     @property
     def block_size(self) -> int:

@@ -162,7 +162,7 @@ def cancel_mid_workflow(rt: KVRuntime, wf, text: WorkflowResult, where: Placemen
     def progress(mode, level, levels, names):
         if level != at_level or hit.job:
             return
-        kv = {a: w["kv_bytes"] for a, w in rt.view().workers.items()}
+        kv = {a: w.kv_bytes for a, w in rt.view().workers.items()}
         hit.worker = max(kv, key=kv.get)
         hit.job, hit.kv_bytes, hit.level = where.job(hit.worker), kv[hit.worker], level
         say(f"level {level + 1}/{levels} starting: scancel {hit.job}{'' if delay is None else f' in {delay}s'} "

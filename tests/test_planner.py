@@ -1,6 +1,7 @@
 """The planner as a pure function: earliest-finish-time placement and per-destination decisions."""
 
 import math
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
@@ -11,7 +12,10 @@ from daskflow_kv.policy.cost_model import (
     crossover_bandwidth,
 )
 from daskflow_kv.policy.placement import (
+    CachedBlock,
     ClusterView,
+    PrefixMatch,
+    WorkerLoad,
     batch_seconds,
     held_prefix,
     holder_of,
@@ -26,18 +30,24 @@ PROFILE = PrefillProfile(0.002, 0.002, 0.0)  # 2 ms per call + 2 ms per token
 
 def _match(n_blocks=4, where=(A,), partial=0, cached=True):
     """``cached``: the blocks exist (who_has); else they are still being computed where ``where`` says."""
-    blocks = [{"key": f"kvblock-{i}", "start": 16 * i, "end": 16 * (i + 1), "nbytes": BLOCK, "where": list(where),
-               "who_has": list(where) if cached else []} for i in range(n_blocks)]
+    who = tuple(where) if cached else ()
+    blocks = [CachedBlock(f"kvblock-{i}", 16 * i, 16 * (i + 1), BLOCK, who, tuple(where)) for i in range(n_blocks)]
     if partial:
         s = 16 * n_blocks
-        blocks.append({"key": "kvblock-tail", "start": s, "end": s + partial, "nbytes": partial * 46_080,
-                       "where": list(where), "who_has": list(where) if cached else []})
-    return {"tokens": blocks[-1]["end"] if blocks else 0, "blocks": blocks}
+        blocks.append(CachedBlock("kvblock-tail", s, s + partial, partial * 46_080, who, tuple(where)))
+    return PrefixMatch(blocks[-1].end if blocks else 0, tuple(blocks))
+
+
+def _held_on(m, workers, n=None):
+    """``m`` with its first ``n`` blocks (all: None) cached on ``workers``."""
+    n = len(m.blocks) if n is None else n
+    blocks = [replace(b, where=tuple(workers), who_has=tuple(workers)) for b in m.blocks[:n]]
+    return replace(m, blocks=tuple(blocks) + m.blocks[n:])
 
 
 def _view(workers=(A, B), bandwidth=None, profile=PROFILE, busy=None, **kw):
     bw = {} if bandwidth is None else {(s, d): bandwidth for s in workers for d in workers if s != d}
-    ws = {w: {"nthreads": 1, "processing": 0, "kv_bytes": 0, "busy_s": (busy or {}).get(w, 0.0)} for w in workers}
+    ws = {w: WorkerLoad(1, 0, 0, (busy or {}).get(w, 0.0)) for w in workers}
     return ClusterView(ws, bw, {w: profile for w in workers} if profile else {}, **kw)
 
 
@@ -81,9 +91,7 @@ def test_busy_destination_takes_a_copy_instead_of_queueing_a_rebuild():
 
 
 def test_partial_recompute_prefills_only_what_the_destination_lacks():
-    m = _match()
-    for b in m["blocks"][:2]:
-        b["where"], b["who_has"] = [A, B], [A, B]  # B already holds the first 32 tokens
+    m = _held_on(_match(), [A, B], 2)  # B already holds the first 32 tokens
     assert held_prefix(m, 64, B) == 32 and held_prefix(m, 64, A) == 64
     [p] = plan_placements(_view(bandwidth=1e3), m, [64], 1, workers=[B])  # a slow link: rebuild
     assert p.action == "recompute" and p.held_tokens == 32
@@ -147,20 +155,17 @@ def test_workers_limit_the_pool():
 
 
 def test_only_blocks_missing_on_the_destination_count():
-    m = _match()
-    for b in m["blocks"][:2]:  # replicas of the first two blocks are already on B
-        b["where"], b["who_has"] = [A, B], [A, B]
+    m = _held_on(_match(), [A, B], 2)  # replicas of the first two blocks are already on B
     p = plan_placements(_view(bandwidth=1e9), m, [64], 1, "transfer", workers=[B])[0]
     assert p.decision.nbytes == 2 * BLOCK
-    for b in m["blocks"]:
-        b["where"], b["who_has"] = [A, B], [A, B]
+    m = _held_on(m, [A, B])
     q = plan_placements(_view(bandwidth=None), m, [64], 1, "auto", workers=[B])[0]
     assert q.action == "reuse"
 
 
 def test_partial_prefix_reads_fewer_blocks():
     m = _match(n_blocks=4, partial=5)
-    assert [b["key"] for b in read_blocks(m, 20)] == ["kvblock-0", "kvblock-1"]
+    assert [b.key for b in read_blocks(m, 20)] == ["kvblock-0", "kvblock-1"]
     assert len(read_blocks(m, 64)) == 4 and len(read_blocks(m, 65)) == 5
     p = plan_placements(_view(bandwidth=1e9), m, [20], 1, "transfer", workers=[B])[0]
     assert p.decision.nbytes == 2 * BLOCK and p.decision.missing_tokens == 20
@@ -175,7 +180,7 @@ def test_destination_decision_covers_its_longest_branch():
 
 def test_pending_blocks_count_where_they_are_planned_and_unknown_location_defers_to_dask():
     m = _match(where=(B,), cached=False)  # "where" of a block still being computed: its planned worker
-    assert holder_of(m["blocks"]) == B
+    assert holder_of(m.blocks) == B
     assert plan_placements(_view(bandwidth=1e9), m, [64], 1, "auto")[0].worker == B
     nowhere = _match(where=())
     p = plan_placements(_view(), nowhere, [64, 64], 2, "auto")
@@ -183,7 +188,7 @@ def test_pending_blocks_count_where_they_are_planned_and_unknown_location_defers
 
 
 def test_nothing_cached_places_on_the_least_busy():
-    p = plan_placements(_view(busy={A: 3.0}), {"tokens": 0, "blocks": []}, [0], 1, "pin")[0]
+    p = plan_placements(_view(busy={A: 3.0}), PrefixMatch(0), [0], 1, "pin")[0]
     assert p.worker == B and p.decision is None and p.reused == 0
 
 
@@ -204,8 +209,50 @@ def test_near_equal_finish_keeps_the_branch_where_the_prefix_is_being_made():
     """B's profile is 5% faster (noise): rebuilding there would not really finish sooner, and
     it would waste the prefill running on A. Within the tie margin the holder wins."""
     a_prof, b_prof = PrefillProfile(0.0, 0.0100, 0.0), PrefillProfile(0.0, 0.0095, 0.0)
-    view = _view(bandwidth=1e8, busy={A: 64 * 0.01})
-    view.prefill = {A: a_prof, B: b_prof}
+    view = replace(_view(bandwidth=1e8, busy={A: 64 * 0.01}), prefill={A: a_prof, B: b_prof})
     [p] = plan_placements(view, _match(cached=False), [64], 1, new_tokens=[8], max_new_tokens=4)
     assert p.worker == A and p.action == "reuse"
     assert p.candidates[B] < p.candidates[A]  # B was predicted (slightly) sooner
+
+
+# -- the typed inputs: the plugin's answers, converted once ------------------------------------------
+SNAPSHOT = {
+    "workers": {A: {"nthreads": 2, "processing": 1, "kv_bytes": 10, "busy_s": 0.5}, B: {"nthreads": 1}},
+    "prefill_profiles": {A: {"a": 0.0, "b": 0.01, "c": 0.0}},
+    "memory_weight": None,
+}
+
+
+def test_snapshot_links_are_keyed_by_worker_pairs():
+    view = ClusterView.from_snapshot({**SNAPSHOT, "links": [[A, B, 1e9, 0.002], [B, A, 2e9, None]]}, None, PROFILE)
+    assert view.bandwidth == {(A, B): 1e9, (B, A): 2e9} and view.latency == {(A, B): 0.002}
+    assert view.workers[A] == WorkerLoad(2, 1, 10, 0.5) and view.workers[B] == WorkerLoad(1, 0, 0, 0.0)
+    assert view.profile(B) == PROFILE and view.memory_weight == 0.0
+    assert view.link(B, A).bandwidth == 2e9 and view.link(B, A).latency == 0.002  # either direction's latency
+
+
+def test_snapshot_without_links_reads_the_old_string_pairs():
+    old = {**SNAPSHOT, "bandwidth": {f"{A}->{B}": 1e9}, "latency": {f"{A}->{B}": 0.002}}
+    new = {**SNAPSHOT, "links": [[A, B, 1e9, 0.002]]}
+    assert ClusterView.from_snapshot(old) == ClusterView.from_snapshot(new)
+    assert ClusterView.from_snapshot({**SNAPSHOT, "bandwidth": {}}).link(A, B) is None
+
+
+def test_queueing_work_gives_a_new_view():
+    view = _view(busy={A: 1.0})
+    later = view.with_queue(A, 3.0).with_queue(B, 2.0).with_queue(C, 9.0)  # C is not a worker: ignored
+    assert (later.busy(A), later.busy(B), later.busy(C)) == (3.0, 2.0, 0.0)
+    assert view.with_queue(A, 0.5).busy(A) == 1.0  # a queue only grows
+    assert (view.busy(A), view.busy(B)) == (1.0, 0.0)  # the old view is unchanged
+    with pytest.raises(FrozenInstanceError):
+        view.workers[A].busy_s = 5.0
+
+
+def test_lookup_answer_rows_become_cached_blocks():
+    ans = {"tokens": 20, "blocks": [
+        {"key": "k0", "start": 0, "end": 16, "nbytes": 8, "who_has": [A], "where": [A, B], "state": "memory"},
+        {"key": "k1", "start": 16, "end": 20, "nbytes": 2, "who_has": [B]},  # no "where": its holders
+    ]}
+    m = PrefixMatch.from_answer(ans)
+    assert m == PrefixMatch(20, (CachedBlock("k0", 0, 16, 8, (A,), (A, B)), CachedBlock("k1", 16, 20, 2, (B,), (B,))))
+    assert holder_of(m.blocks) == B and held_prefix(m, 20, B) == 20 and held_prefix(m, 20, A) == 16

@@ -138,7 +138,7 @@ def test_corrupt_objects_are_detected_recomputed_and_repaired(tmp_path):
         raw = bytearray(open(path, "rb").read())
         raw[len(raw) // 2] ^= 0xFF
         open(path, "wb").write(bytes(raw))
-        rt._rpc("kv_drop", client=client.id)  # the cache lets go: the blocks leave memory
+        rt.plugin.drop()  # the cache lets go: the blocks leave memory
         _wait_forgotten(client, keys)
 
         again = rt.materialize(ctx)

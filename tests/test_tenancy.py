@@ -16,6 +16,7 @@ from daskflow_kv.keys import short_key
 from daskflow_kv.plugins.tenants import AccessDenied
 from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
+from daskflow_kv.runtime.plugin_client import PluginClient
 from daskflow_kv.state.blocks import chain_keys, keyed_digest
 
 TENANTS = {
@@ -86,7 +87,7 @@ def test_lookup_gives_no_prompt_back(bob, record):
     tokens = bob.encode(PROMPT)
     assert tokens == list(record.tokens)  # same model and tokenizer: bob would compute the same tokens
     for probe in (tokens, tokens[:1], tokens[:17]):
-        match = bob._lookup(probe)
+        match = bob.prefixes.find(probe)
         assert match.tokens == 0 and not match.blocks
     # The answer never carries token ids, even for the owner.
     ans = bob.client.sync(bob.client.scheduler.kv_lookup, session=bob.session.token, root=bob.key_digest,
@@ -94,9 +95,14 @@ def test_lookup_gives_no_prompt_back(bob, record):
     assert ans["tokens"] == 0 and not ans["blocks"]
 
 
-def test_the_owner_and_its_namespace_still_reuse(alice, record, tenant_cluster):
-    mine = alice._lookup(list(record.tokens) + [5])
-    assert mine.tokens == record.length and all("tokens" not in b for b in mine.blocks)
+def test_the_owner_and_its_namespace_still_reuse(alice, record, tenant_cluster, monkeypatch):
+    answers = []  # the plugin's lookup answers, as they came over the wire
+    call = PluginClient.call
+    monkeypatch.setattr(PluginClient, "call",
+                        lambda self, name, **kw: answers.append(call(self, name, **kw)) or answers[-1])
+    mine = alice.prefixes.find(list(record.tokens) + [5])
+    monkeypatch.undo()
+    assert mine.tokens == record.length and all("tokens" not in b for b in answers[-1]["blocks"])
     colleague = _runtime(tenant_cluster, "alice")  # another client holding alice's secret shares her cache
     try:
         again = colleague.materialize(list(record.tokens))

@@ -364,10 +364,12 @@ def dist_states(rt):
 @pytest.fixture
 def no_cluster_work(rt, monkeypatch):
     """Any RPC or submitted task during a rejected call fails the test."""
+    from daskflow_kv.runtime.plugin_client import PluginClient
+
     def tripwire(*a, **k):
         raise AssertionError("the scheduler was asked or a task submitted before the input was checked")
 
-    monkeypatch.setattr(rt, "_rpc", tripwire)
+    monkeypatch.setattr(PluginClient, "call", tripwire)
     monkeypatch.setattr(rt.client, "submit", tripwire)
     return rt
 

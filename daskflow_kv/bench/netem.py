@@ -151,13 +151,9 @@ def _job(text: str) -> tuple[float | None, list[int]]:
 def _measure_links(rt, workers: list[str], probe: int) -> dict[str, float]:
     """Both directions' latency and bandwidth, recorded with the plugin as calibration does
     (the prefill profiles are left as they are: the link changed, the workers did not)."""
-    from ..runtime.calibration import measure_link
-
     out = {}
     for src, dst in ((workers[0], workers[1]), (workers[1], workers[0])):
-        link = measure_link(rt.client, src, dst, probe, rt.spec.device)
-        rt._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=link.bandwidth, latency=link.latency)
-        out[f"{src}->{dst}"] = link.bandwidth
+        out[f"{src}->{dst}"] = rt.calibrator.record_link(src, dst, probe).bandwidth
     return out
 
 

@@ -1,16 +1,18 @@
 """Text <-> token ids, the same way everywhere: no special tokens added, none decoded.
 
 Both modes build prompts from text and must feed the model identical ids, so the engine and
-the distributed runtime share this one definition.
+the distributed runtime each hold one ``TextCodec`` over their tokenizer.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 
+@dataclass(frozen=True, slots=True)
 class TextCodec:
-    """Mixin for classes with a ``tokenizer`` attribute or property."""
+    tokenizer: Any  # a Hugging Face tokenizer (the model's own)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -11,59 +11,20 @@ idle workers, transfer to busy ones and pinning to the holder are all outcomes o
 one rule, not special cases. Each destination pays for its prefix once: all its branches
 share one ``Decision`` and the first branch placed there (``first``) carries it.
 
-A ``match`` is the plugin's lookup answer: ``{"tokens": int, "blocks": [{"key", "start",
-"end", "nbytes", "who_has": [...], "where": [worker, ...]}, ...]}``; ``where`` lists the
-workers that hold a block or, while it is still being computed, the worker it is planned on.
+Its inputs are the frozen dataclasses of ``cluster_view``: a ``PrefixMatch`` (the plugin's
+lookup answer) and a ``ClusterView`` (its snapshot).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from .cost_model import Decision, LinkProfile, NeedsCalibration, PrefillProfile, decide
+from .cluster_view import CachedBlock, ClusterView, PrefixMatch, WorkerLoad
+from .cost_model import Decision, NeedsCalibration, PrefillProfile, decide
 
 POLICIES = ("auto", "transfer", "recompute", "pin")
 TIE = 0.10  # finish times this close (relative) count as equal: see _pick
-
-
-@dataclass(slots=True)
-class ClusterView:
-    workers: dict[str, dict]  # address -> {"nthreads", "processing", "kv_bytes", "busy_s"}
-    bandwidth: dict[tuple[str, str], float]  # (src, dst) -> measured bytes/s
-    prefill: dict[str, PrefillProfile]  # worker -> fitted profile
-    memory_weight: float = 0.0  # lambda, s per byte left on a destination
-    bandwidth_override: float | None = None  # what-if: every pair at this bandwidth
-    prefill_override: PrefillProfile | None = None  # what-if: every worker with this profile
-    latency: dict[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> fitted s per fetch
-
-    @classmethod
-    def from_snapshot(cls, snap: dict, bandwidth_override=None, prefill_override=None) -> ClusterView:
-        def pairs(d):
-            out = {}
-            for pair, value in (d or {}).items():
-                src, dst = pair.split("->")
-                out[(src, dst)] = value
-            return out
-
-        profiles = {w: PrefillProfile(p["a"], p["b"], p["c"]) for w, p in snap["prefill_profiles"].items()}
-        return cls(snap["workers"], pairs(snap["bandwidth"]), profiles, snap.get("memory_weight") or 0.0,
-                   bandwidth_override, prefill_override, pairs(snap.get("latency")))
-
-    def link(self, src: str, dst: str) -> LinkProfile | None:
-        lat = self.latency.get((src, dst)) or self.latency.get((dst, src))
-        if self.bandwidth_override is not None:
-            return LinkProfile(self.bandwidth_override) if lat is None else LinkProfile(self.bandwidth_override, lat)
-        bw = self.bandwidth.get((src, dst)) or self.bandwidth.get((dst, src))
-        if not bw:
-            return None
-        return LinkProfile(bw) if lat is None else LinkProfile(bw, lat)
-
-    def profile(self, worker: str) -> PrefillProfile | None:
-        return self.prefill_override or self.prefill.get(worker)
-
-    def busy(self, worker: str | None) -> float:
-        """Seconds of KV work queued on ``worker`` (what its running tasks still need)."""
-        return float((self.workers.get(worker) or {}).get("busy_s", 0.0)) if worker else 0.0
 
 
 @dataclass(slots=True)
@@ -85,40 +46,36 @@ class Placement:
         return None if self.decision is None else asdict(self.decision)
 
 
-def _where(block: dict) -> list[str]:
-    return list(block.get("where", block.get("who_has", ())))
-
-
-def _ready_on(block: dict, worker: str, view: ClusterView) -> float:
+def _ready_on(block: CachedBlock, worker: str, view: ClusterView) -> float:
     """Seconds until ``block`` exists on ``worker`` (0 when cached there; else when its prefill ends)."""
-    return 0.0 if worker in block.get("who_has", ()) else view.busy(worker)
+    return 0.0 if worker in block.who_has else view.busy(worker)
 
 
-def holder_of(blocks: list[dict]) -> str | None:
+def holder_of(blocks: Iterable[CachedBlock]) -> str | None:
     """The worker holding (or about to hold) the most bytes of ``blocks``; ties by name."""
     held: dict[str, int] = {}
     for b in blocks:
-        for w in _where(b):
-            held[w] = held.get(w, 0) + b["nbytes"]
+        for w in b.where:
+            held[w] = held.get(w, 0) + b.nbytes
     return max(sorted(held), key=held.get) if held else None
 
 
-def read_blocks(match: dict, reused: int) -> list[dict]:
+def read_blocks(match: PrefixMatch, reused: int) -> list[CachedBlock]:
     """The blocks a consumer that reuses ``reused`` tokens depends on."""
-    return [b for b in match["blocks"] if b["start"] < reused]
+    return [b for b in match.blocks if b.start < reused]
 
 
-def held_prefix(match: dict, reused: int, worker: str) -> int:
+def held_prefix(match: PrefixMatch, reused: int, worker: str) -> int:
     """Leading tokens of the first ``reused`` that ``worker`` already holds, block by block."""
     held = 0
     for b in read_blocks(match, reused):
-        if worker not in _where(b):
+        if worker not in b.where:
             break
-        held = min(b["end"], reused)
+        held = min(b.end, reused)
     return held
 
 
-def prefix_decision(view: ClusterView, match: dict, reused: int, dst: str | None,
+def prefix_decision(view: ClusterView, match: PrefixMatch, reused: int, dst: str | None,
                     forced: str | None = None) -> Decision | None:
     """How ``dst`` gets the blocks covering ``reused`` tokens; None when nothing is read.
 
@@ -129,14 +86,14 @@ def prefix_decision(view: ClusterView, match: dict, reused: int, dst: str | None
     if not reads or dst is None:
         return None
     held = held_prefix(match, reused, dst)
-    missing = [b for b in reads if dst not in _where(b)]
+    missing = [b for b in reads if dst not in b.where]
     if not missing:  # everything is (or will be) on dst already
         ready = max(_ready_on(b, dst, view) for b in reads)
         return decide(0, 0, reused, dst, dst, None, None, view.memory_weight, src_ready=ready, dst_wait=ready)
     src = holder_of(missing)
     if src is None:  # being recomputed somewhere Dask has not chosen yet: let Dask place it
         return None
-    nbytes = sum(b["nbytes"] for b in missing)
+    nbytes = sum(b.nbytes for b in missing)
     src_ready = max(_ready_on(b, src, view) for b in missing)
     return decide(nbytes, reused - held, held, src, dst, view.link(src, dst), view.profile(dst),
                   view.memory_weight, forced, src_ready=src_ready, dst_wait=view.busy(dst))
@@ -161,7 +118,7 @@ def batch_seconds(profile: PrefillProfile, reused: int, suffixes: list[int], max
 
 def plan_placements(
     view: ClusterView,
-    match: dict,
+    match: PrefixMatch,
     reused: list[int],
     n: int,
     policy: str = "auto",
@@ -186,7 +143,7 @@ def plan_placements(
     new_tokens = [1] * n if new_tokens is None else list(new_tokens)
     if len(new_tokens) != n:
         raise ValueError(f"{n} branches but {len(new_tokens)} new-token counts")
-    holder = holder_of(match["blocks"])
+    holder = holder_of(match.blocks)
     pool = [w for w in (workers or sorted(view.workers)) if w in view.workers] or sorted(view.workers)
     forced = policy if policy in ("transfer", "recompute") else None
     if worker is not None or policy == "pin" or not pool:
@@ -293,8 +250,8 @@ def _open(view, match, reused, w, forced) -> _Dest | None:
 def _least_busy(view: ClusterView, pool: list[str]) -> str | None:
     if not pool:
         return None
-    return min(pool, key=lambda w: (view.busy(w), view.workers[w].get("processing", 0), w))
+    return min(pool, key=lambda w: (view.busy(w), view.workers[w].processing, w))
 
 
-__all__ = ["POLICIES", "ClusterView", "NeedsCalibration", "Placement", "batch_seconds", "held_prefix", "holder_of",
-           "plan_placements", "prefix_decision", "read_blocks"]
+__all__ = ["POLICIES", "CachedBlock", "ClusterView", "NeedsCalibration", "Placement", "PrefixMatch", "WorkerLoad",
+           "batch_seconds", "held_prefix", "holder_of", "plan_placements", "prefix_decision", "read_blocks"]

@@ -1,9 +1,10 @@
 """The Dask runtime: KV states as futures pinned to workers.
 
-Owns: ``KVRuntime`` (the distributed operators, client side), the functions that run
-inside tasks on workers (``tasks``), tensor serialization for Dask's comms
-(``serialization``), calibration probes, cluster entry points (``cluster``: LocalCluster,
-LocalCUDACluster, an existing scheduler, SLURM) and catalog export.
+Owns: ``KVRuntime`` (the distributed operators, client side: a façade over its parts -
+``plugin_client``, ``prefix_cache``, ``planner``, ``submit``, ``publish``, ``registry``,
+``materialize``, ``resume``, ``kv_persistence``, ``calibration``), the functions that run
+inside tasks on workers (``tasks``, ``chunk_task``), cluster entry points (``cluster``:
+LocalCluster, LocalCUDACluster, an existing scheduler, SLURM) and catalog export.
 
 May import: ``daskflow_kv.state``, ``daskflow_kv.policy``, ``daskflow_kv.model`` (inside
 tasks), ``daskflow_kv.plugins`` (to register them) and Dask. Never the workflow layer.

@@ -6,7 +6,10 @@ the receiver's own transfer records (Dask's ``transfer_incoming_log``), not a ti
 the call, and a line through them gives the pair's latency and bandwidth. Prefill: real
 prefills of lengths spread up to the longest the caller will predict (``probe_tokens``),
 on every worker at once, each reporting its timing to the scheduler plugin like any other
-prefill; the profile is fitted over the whole spread, so it does not extrapolate.
+prefill; the profile is fitted over the whole spread, so it does not extrapolate. Store:
+one probe object written and read back (``PersistentTier.calibrate``).
+
+``Calibrator`` is the runtime's part that runs them and records the links with the plugin.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from dataclasses import dataclass
 
-from distributed import wait
+from distributed import Client, wait
 
 from .. import validation
 from ..dask_internals import incoming_transfers
 from ..policy.cost_model import LinkProfile, calibration_lengths, fit_link
 from . import tasks
+from .kv_persistence import PersistentTier
+from .plugin_client import PluginClient
 
 
 def _transfer_record(dask_worker, key):
@@ -54,37 +60,52 @@ def measure_link(client, src: str, dst: str, nbytes: int, device: str = "cpu") -
     return fit_link([timed_transfer(client, src, dst, n, device) for n in (small, nbytes, small)])
 
 
-def measure_prefill(runtime, workers: list[str], sizes) -> None:
+def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> None:
     """Prefill each length once on every worker, all workers at once (each reports its timing)."""
     rng = random.Random(0)
     futures = []
     for n in sizes:
-        n = min(n, runtime.facts.max_positions - 1)
-        tokens = tuple(rng.randrange(3, runtime.facts.vocab_size) for _ in range(n))
+        n = min(n, facts.max_positions - 1)
+        tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(n))
         req = tasks.PrefillRequest(tokens, 0, op="calibrate")
-        futures += [runtime.client.submit(tasks.prefill, runtime.spec, req, workers=[w], allow_other_workers=False,
-                                          pure=False) for w in workers]
+        futures += [client.submit(tasks.prefill, spec, req, workers=[w], allow_other_workers=False, pure=False)
+                    for w in workers]
     wait(futures)
     for f in futures:
         f.result()  # a failed probe says so here
 
 
-def calibrate(runtime, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
-    """Measure every worker pair's bandwidth and every worker's prefill speed."""
-    probe_bytes = validation.setting("calibration.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
-    probe_tokens = validation.setting("calibration.probe-tokens", probe_tokens, "probe_tokens", validation.integer,
-                                      minimum=8)  # it also prefills probe_tokens // 8
-    client = runtime.client
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    bandwidth, latency = {}, {}
-    for src, dst in itertools.permutations(workers, 2):
-        link = measure_link(client, src, dst, probe_bytes, runtime.spec.device)
-        runtime._rpc("kv_record_bandwidth", src=src, dst=dst, bandwidth=link.bandwidth, latency=link.latency)
-        bandwidth[f"{src}->{dst}"], latency[f"{src}->{dst}"] = link.bandwidth, link.latency
-    measure_prefill(runtime, workers, calibration_lengths(probe_tokens))
-    deadline = time.time() + 10  # worker events reach the scheduler asynchronously
-    profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
-    while not all(w in profiles for w in workers) and time.time() < deadline:
-        time.sleep(0.05)
-        profiles = runtime._rpc("kv_snapshot")["prefill_profiles"]
-    return {"bandwidth": bandwidth, "latency": latency, "prefill_profiles": profiles}
+@dataclass(slots=True, eq=False)
+class Calibrator:
+    client: Client  # runs the probes
+    plugin: PluginClient  # records the links; reports the fitted prefill profiles
+    spec: tasks.ModelSpec  # the model prefilled (and its device: a GPU cluster measures device moves)
+    facts: tasks.ModelFacts  # its vocabulary and longest position
+    tier: PersistentTier  # the persistent store, probed too when there is one
+
+    def record_link(self, src: str, dst: str, probe_bytes: int) -> LinkProfile:
+        """Measure src -> dst and give the figures to the plugin (this namespace's plans use them)."""
+        link = measure_link(self.client, src, dst, probe_bytes, self.spec.device)
+        self.plugin.record_bandwidth(src, dst, link.bandwidth, link.latency)
+        return link
+
+    def calibrate(self, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
+        """Measure every worker pair's bandwidth, every worker's prefill speed and the store's."""
+        probe_bytes = validation.setting("calibration.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
+        probe_tokens = validation.setting("calibration.probe-tokens", probe_tokens, "probe_tokens",
+                                          validation.integer, minimum=8)  # it also prefills probe_tokens // 8
+        workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        bandwidth, latency = {}, {}
+        for src, dst in itertools.permutations(workers, 2):
+            link = self.record_link(src, dst, probe_bytes)
+            bandwidth[f"{src}->{dst}"], latency[f"{src}->{dst}"] = link.bandwidth, link.latency
+        measure_prefill(self.client, self.spec, self.facts, workers, calibration_lengths(probe_tokens))
+        deadline = time.time() + 10  # worker events reach the scheduler asynchronously
+        profiles = self.plugin.prefill_profiles()
+        while not all(w in profiles for w in workers) and time.time() < deadline:
+            time.sleep(0.05)
+            profiles = self.plugin.prefill_profiles()
+        out = {"bandwidth": bandwidth, "latency": latency, "prefill_profiles": profiles}
+        if self.tier.store is not None:
+            out["store"] = self.tier.calibrate()
+        return out

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..model.runner import RunOutput
 from ..state.blocks import aligned_floor
 from ..plugins.handoff import ALONE, DONE, FAILED, MAILBOX, Channel, Patience, PeerLost
-from .tasks import ModelSpec, PrefillOutput, _output, _report, _worker_address, get_runner
+from .tasks import ModelSpec, PrefillOutput, get_runner, prefill_output, report_prefill, worker_address
 
 logger = logging.getLogger("daskflow_kv.handoff")
 
@@ -58,7 +58,7 @@ def _alone(runner, req: ChunkRequest, prefix_blocks) -> RunOutput:
 def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> PrefillOutput:
     runner = get_runner(spec)
     start, end = req.span
-    address = _worker_address()
+    address = worker_address()
     t0 = time.perf_counter()
     out, channel = None, None
     why = "run again" if address == req.workers[req.index] else f"moved off {req.workers[req.index]}"
@@ -83,7 +83,7 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
         logger.info("chunk %d of %s prefills alone: %s", req.index, req.group, why)
         out = _alone(runner, req, prefix_blocks)
     m = out.metrics
-    _report({
+    report_prefill({
         "worker": address,
         "op": req.op,
         "state_id": req.state_id,
@@ -105,4 +105,4 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
         "handoff_layers_received": len(channel.transit) if channel else 0,
         "handoff_transit_s": sum(channel.transit) / len(channel.transit) if channel and channel.transit else 0.0,
     })
-    return _output(out, address)
+    return prefill_output(out, address)

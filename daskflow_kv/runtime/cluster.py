@@ -134,7 +134,7 @@ def drop_kv(runtime) -> None:
     shared scheduler the cached prefixes are what the next client reuses.
     """
     with contextlib.suppress(Exception):  # no plugin, or already closing: nothing to drop
-        runtime._rpc("kv_drop", client=runtime.client.id)
+        runtime.plugin.drop()
 
 
 def close_runtime(runtime, cluster=None) -> None:

@@ -1,19 +1,16 @@
 """What a KVRuntime hands out: states whose blocks are futures, and generations.
 
-``DistKVState`` is a descriptor plus the futures that keep its blocks alive; ``_Match`` is
-a cached prefix this client has just taken references to (the plugin's lookup answer).
+``DistKVState`` is a descriptor plus the futures that keep its blocks alive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from distributed import Future
 
 from ..policy.placement import Placement
-from ..state.blocks import BlockRef
 from ..state.kv_state import KVState
 
 if TYPE_CHECKING:
@@ -61,24 +58,3 @@ class DistGeneration:
     placement: Placement  # the plan's decision for this branch
     state: DistKVState | None = None  # continuation state (its new blocks on ``worker``)
     logits: object = None
-
-
-@dataclass(slots=True)
-class _Match:
-    """A cached prefix whose blocks this client now holds futures for."""
-
-    tokens: int  # leading tokens the blocks cover
-    blocks: list[dict]  # the plugin's rows: key, start, end, nbytes, who_has, where, state
-    futures: dict[str, Future]  # key -> future, one per block
-    request: Sequence[int] = ()  # the tokens looked up (the blocks' tokens, up to ``tokens``)
-
-    def kept(self, upto: int) -> list[tuple[BlockRef, Future]]:
-        """Whole blocks ending at or before ``upto``: they enter the new state unchanged.
-
-        Their tokens are the request's own: the plugin never sends a block's token ids.
-        """
-        return [(BlockRef(b["key"], b["start"], tuple(self.request[b["start"]:b["end"]]), b["nbytes"]),
-                 self.futures[b["key"]]) for b in self.blocks if b["end"] <= upto]
-
-    def plan_input(self) -> dict:
-        return {"tokens": self.tokens, "blocks": self.blocks}

@@ -87,7 +87,7 @@ class PrefillOutput:
 
 @dataclass(frozen=True, slots=True)
 class BatchPrefillRequest:
-    """Several resumes of one prefix on one worker: decoded together by ``resume_batch``.
+    """Several resumes of one prefix on one worker: one group in the worker's step loop.
 
     Every request continues the same ``reused`` leading tokens (read once from the prefix
     blocks passed along) and keeps its own stream, token limit and state id.
@@ -153,7 +153,8 @@ def get_runner(spec: ModelSpec) -> ModelRunner:
         return _runner(spec)
 
 
-def _worker_address() -> str:
+def worker_address() -> str:
+    """The address of the worker running this task (``local-<pid>`` outside one)."""
     try:
         from distributed import get_worker
 
@@ -162,7 +163,8 @@ def _worker_address() -> str:
         return f"local-{os.getpid()}"
 
 
-def _report(event: dict) -> None:
+def report_prefill(event: dict) -> None:
+    """A prefill's timing, for the scheduler plugin's fitted profiles (the prefill topic)."""
     try:
         from distributed import get_worker
 
@@ -189,8 +191,8 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
     runner = get_runner(spec)
     t0 = time.perf_counter()
     [out] = step_worker.run(runner, [_step_request(req, list(prefix_blocks), req.reused)])
-    worker = _worker_address()
-    _report(
+    worker = worker_address()
+    report_prefill(
         {
             "worker": worker,
             "op": req.op,
@@ -204,10 +206,10 @@ def prefill(spec: ModelSpec, req: PrefillRequest, *prefix_blocks: torch.Tensor) 
             "shared_steps": out.metrics.shared_steps,  # > 0: batched with others, not a clean timing
         }
     )
-    return _output(out, worker)
+    return prefill_output(out, worker)
 
 
-def _output(out, worker: str) -> PrefillOutput:
+def prefill_output(out, worker: str) -> PrefillOutput:
     """A runner's RunOutput as a task result: blocks and their spans, tensors not copied."""
     return PrefillOutput(
         out.generated,
@@ -220,7 +222,7 @@ def _output(out, worker: str) -> PrefillOutput:
 
 
 def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: torch.Tensor) -> BatchPrefillOutput:
-    """Every request of ``breq`` at once over one copy of the prefix (``batched.resume_batch``).
+    """Every request of ``breq`` as one group of the step loop: the prefix held once (``step_cache``).
 
     Branch j samples from stream ``requests[j].stream``, as ``prefill`` would, so its tokens
     are those of a single resume. One timing event covers the whole batch.
@@ -235,8 +237,8 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
     outs = step_worker.run(runner, [_step_request(r, list(prefix_blocks), breq.reused) for r in reqs],
                            shared_prefix=True)
     stats = _batch_stats(outs)
-    worker = _worker_address()
-    _report(
+    worker = worker_address()
+    report_prefill(
         {
             "worker": worker,
             "op": breq.op,
@@ -253,7 +255,7 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
             "done_at": time.time(),
         }
     )
-    outputs = [_output(out, worker) for out in outs]
+    outputs = [prefill_output(out, worker) for out in outs]
     return BatchPrefillOutput(outputs, stats, worker)
 
 
@@ -297,7 +299,7 @@ def text_generate(
     """Text mode on a worker: the whole prompt prefilled from nothing, nothing kept."""
     req = StepRequest([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False)
     [out] = step_worker.run(get_runner(spec), [req])
-    return GenerationResult(out.generated, out.metrics.as_dict(), _worker_address(), out.logits)
+    return GenerationResult(out.generated, out.metrics.as_dict(), worker_address(), out.logits)
 
 
 def probe_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:

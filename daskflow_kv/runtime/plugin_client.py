@@ -1,0 +1,83 @@
+"""The KV scheduler plugin's RPCs, typed: one method per call, on behalf of one session.
+
+Every call carries this client's session token (``session.login``; the plugin scopes what
+it answers to the session's tenant, see ``plugins/kv_client_api.py``). The answers the
+planner reads are converted here, once, into ``policy.cluster_view``'s frozen types: a
+lookup answers a ``PrefixMatch``, a snapshot a ``ClusterView``. No other module calls
+``client.scheduler.kv_*`` (the login itself is ``session.login``'s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from distributed import Client
+
+from ..policy.cluster_view import ClusterView, PrefixMatch
+from ..policy.cost_model import PrefillProfile
+from .session import KVSession, login
+
+
+@dataclass(slots=True, eq=False)
+class PluginClient:
+    client: Client  # the Dask client whose scheduler runs the KV plugin
+    session: KVSession  # this runtime's login; its token goes on every call
+
+    @classmethod
+    def login(cls, client: Client, namespace: str | None = None, secret: str | None = None) -> PluginClient:
+        return cls(client, login(client, namespace, secret))
+
+    def call(self, name: str, **kwargs):
+        """One ``kv_*`` RPC for this session; every method below goes through here."""
+        return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
+
+    # -- blocks --------------------------------------------------------------------------------
+    def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:
+        """The longest cached prefix of ``tokens`` (asked by its own chain ``keys``); the plugin
+        acquires its blocks for this client before it answers."""
+        ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size,
+                        client=self.client.id)
+        return PrefixMatch.from_answer(ans)
+
+    def acquire(self, keys: Iterable[str]) -> list[str]:
+        """Which of ``keys`` the scheduler knows in this namespace, each now acquired for this client."""
+        keys = list(keys)
+        return list(self.call("kv_acquire", keys=keys, client=self.client.id)) if keys else []
+
+    def register_states(self, metas: list[dict]) -> None:
+        """Catalog new states (the plugin answers once it knows all their blocks)."""
+        self.call("kv_register_states", metas=metas)
+
+    def release_state(self, state_id: str) -> None:
+        self.call("kv_release_state", state_id=state_id)
+
+    def drop(self) -> int:
+        """Admin: the cache lets go of every block and this client of every key (before a cluster closes)."""
+        return self.call("kv_drop", client=self.client.id)
+
+    # -- what the planner sees ---------------------------------------------------------------------
+    def snapshot(self, bandwidth_override: float | None = None,
+                 prefill_override: PrefillProfile | None = None) -> ClusterView:
+        return ClusterView.from_snapshot(self.call("kv_snapshot"), bandwidth_override, prefill_override)
+
+    def prefill_profiles(self) -> dict[str, dict]:
+        """The fitted prefill profile of every worker that reported a prefill, as the plugin sends them."""
+        return self.call("kv_snapshot")["prefill_profiles"]
+
+    def record_bandwidth(self, src: str, dst: str, bandwidth: float, latency: float | None = None) -> None:
+        """A calibration probe's figures for src -> dst (this namespace's plans use them)."""
+        self.call("kv_record_bandwidth", src=src, dst=dst, bandwidth=bandwidth, latency=latency)
+
+    def configure(self, kv_budget_bytes: int | None = None, memory_weight: float | None = None,
+                  unset_budget: bool = False) -> None:
+        self.call("kv_configure", kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight,
+                  unset_budget=unset_budget)
+
+    # -- introspection -------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        return self.call("kv_counters")
+
+    def catalog(self) -> list[dict]:
+        """Catalog rows, one per (state, block), of this session's namespace (admin: all)."""
+        return self.call("kv_catalog")
