@@ -232,6 +232,9 @@ def cmd_run(args, workflow: str) -> int:
         if args.explain and args.mode != "text":
             print()
             print((result.state if isinstance(result, Comparison) else result).explain)
+        if args.graph:
+            (result.state if isinstance(result, Comparison) else result).graph.visualize(args.graph, result=result)
+            print(f"\nwrote {args.graph}")
         if args.json:
             with open(args.json, "w") as f:
                 payload = result.as_dict()
@@ -253,15 +256,33 @@ def cmd_run(args, workflow: str) -> int:
 
 
 def cmd_explain(args) -> int:
-    from transformers import AutoConfig
+    from .flow.workflow import tokenizer_and_limit
 
-    from .model.zoo.loader import load_tokenizer, resolve_model_path
-
-    tok = load_tokenizer(args.model)
-    max_pos = AutoConfig.from_pretrained(resolve_model_path(args.model)).max_position_embeddings
+    tok, max_pos = tokenizer_and_limit(args.model)
     wf = _build(args.workflow, args, tok)
-    print(wf.compile(tok, max_pos, args.block_size).explain())
+    cw = wf.compile(tok, max_pos, args.block_size)
+    print(cw.explain())
+    if args.graph:
+        cw.visualize(args.graph)
+        print(f"\nwrote {args.graph}")
     return 0
+
+
+def _graph_file(path) -> str:
+    """``--graph``: a writable file whose extension names a format this machine can draw."""
+    from . import validation
+    from .errors import InvalidInputError
+    from .flow.visualize import FORMATS, require_renderer
+
+    fmt = os.path.splitext(str(path))[1].lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"--graph {str(path)!r} must end in .{', .'.join(FORMATS)}")
+    path = validation.writable_file("--graph", path)
+    try:
+        require_renderer(fmt)
+    except ImportError as e:  # no graphviz package: one line, like every other bad input
+        raise InvalidInputError(f"--graph: {e}") from None
+    return path
 
 
 def _common(p: argparse.ArgumentParser, model_key: str) -> None:
@@ -280,6 +301,9 @@ def _common(p: argparse.ArgumentParser, model_key: str) -> None:
     p.add_argument("--depth", type=int, default=None, help="tree-of-thought depth (tot only)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--verbose", action="store_true", help="show library logs and progress bars (transformers, Dask)")
+    p.add_argument("--graph", default=None, metavar="FILE",
+                   help="draw G_s to FILE (.svg/.png/.pdf need Graphviz's dot; .dot does not); after a run it shows "
+                        "where each agent ran and what it reused")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -336,6 +360,8 @@ def _resolve_config(args) -> None:
     if agent_count(wf, args.agents, args.rounds, args.depth) > most:
         raise InvalidInputError(f"{wf} with these flags has {agent_count(wf, args.agents, args.rounds, args.depth)} "
                                 f"agents, more than {most} (setting daskflow-kv.max-fork)")
+    if args.graph is not None:
+        args.graph = _graph_file(args.graph)
     if not hasattr(args, "workers"):
         return
     for flag in ("tls_ca_file", "tls_cert", "tls_key"):
