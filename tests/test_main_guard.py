@@ -79,6 +79,15 @@ def test_a_function_called_from_the_top_level_is_refused(tmp_path):
     assert "MainGuardError: a test cluster called at the top level of job.py (line 6)" in proc.stderr
 
 
+def test_the_prompt_of_python_i_is_not_the_script(tmp_path):
+    """``python -i script.py``: what is typed at the prompt runs in __main__ too, but not from the file."""
+    (tmp_path / "setup.py").write_text("x = 1\n")
+    typed = "from daskflow_kv.runtime.main_guard import check_main_guard\ncheck_main_guard()\nprint('typed ok')\n"
+    proc = subprocess.run([sys.executable, "-i", str(tmp_path / "setup.py")], input=typed, capture_output=True,
+                          text=True, timeout=120)
+    assert "typed ok" in proc.stdout and "MainGuardError" not in proc.stderr, proc.stderr
+
+
 def test_fork_re_imports_nothing_and_is_not_refused(tmp_path):
     proc = _script(tmp_path, """\
         from daskflow_kv.runtime.main_guard import check_main_guard

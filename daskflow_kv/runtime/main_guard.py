@@ -51,7 +51,9 @@ def check_main_guard(what: str = "a local Dask cluster", start_method: str | Non
     if script is None:
         return
     frame = _top_level_frame(sys.modules["__main__"])
-    if frame is None or _guarded(script, frame.f_lineno) is not False:
+    if frame is None or not _same_file(frame.f_code.co_filename, script):
+        return  # not the script's own code (``python -i``'s prompt runs in __main__ too)
+    if _guarded(script, frame.f_lineno) is not False:
         return
     name = os.path.basename(script)
     raise MainGuardError(
@@ -93,6 +95,13 @@ def _top_level_frame(main):
             return frame
         frame = frame.f_back
     return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # "<stdin>", "<string>": no file
+        return False
 
 
 def _guarded(path: str, line: int) -> bool | None:
