@@ -78,9 +78,9 @@ class CompiledWorkflow:
         ``filename``: where to write it (its extension, if any, chooses the format); None
         returns the drawing (an IPython SVG/Image in a notebook). ``format``: svg, png, pdf,
         jpeg, or dot (the DOT source: the only one that needs no Graphviz ``dot`` program).
-        ``result``: a ``WorkflowResult`` or ``Comparison`` of a run, to show where each agent
-        ran, its plan and what it reused (pass ``result.graph.visualize(result=result)`` for
-        the groups the run found).
+        ``result``: a ``WorkflowResult`` or ``Comparison`` of a run of this graph, to show
+        where each agent ran, its plan and what it reused (a run keeps the groups it found in
+        ``result.graph``; ``Workflow.visualize(result=...)`` draws that one).
         """
         from .visualize import visualize
 
