@@ -8,11 +8,16 @@ blocks) -> ``engine`` (the operators in one process) and ``plugins`` (scheduler 
 ``runtime`` (the operators on Dask) -> ``flow`` (workflows, compiler, executor) ->
 ``workflows`` (examples) -> ``bench`` -> ``cli``.
 
-Exports are lazy: the scheduler plugin imports ``daskflow_kv.policy`` and must not pull in
-torch and transformers.
+Importing the package registers the ``daskflow-kv`` settings in ``dask.config`` (as
+distributed, dask-cuda and dask-jobqueue do on import), so
+``dask.config.get("daskflow-kv.kv-budget")`` works right after ``import daskflow_kv``.
+Everything else is lazy: the scheduler plugin imports ``daskflow_kv.policy`` and must not
+pull in torch and transformers.
 """
 
 import importlib
+
+from . import config as _config  # noqa: F401  -- registers the defaults (dask and yaml only: cheap)
 
 _EXPORTS = {
     "Engine": "engine",

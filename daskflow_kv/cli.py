@@ -8,17 +8,23 @@
     daskflow-kv catalog --scheduler tcp://host:8786 --out kv.parquet
     daskflow-kv run rag --kv-store /data/kv     # a second run (a new cluster) reads the context from it
     daskflow-kv store ls|du|gc --kv-store /data/kv [--older-than 7d]
+
+The same program is Dask's ``dask kv`` (a ``dask_cli`` entry point, as ``dask cuda worker``):
+``dask kv run debate --agents 3`` is ``daskflow-kv run debate --agents 3``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
 import os
 import sys
 import time
+
+import click  # distributed's own CLI library: `dask kv` is a click command (dask_cli entry point)
 
 
 WORKFLOW_NAMES = ("tot", "debate", "rag", "planner")  # == workflows.WORKFLOWS (tests check), no torch import
@@ -226,6 +232,9 @@ def cmd_run(args, workflow: str) -> int:
         if args.explain and args.mode != "text":
             print()
             print((result.state if isinstance(result, Comparison) else result).explain)
+        if args.graph:
+            (result.state if isinstance(result, Comparison) else result).graph.visualize(args.graph, result=result)
+            print(f"\nwrote {args.graph}")
         if args.json:
             with open(args.json, "w") as f:
                 payload = result.as_dict()
@@ -235,7 +244,8 @@ def cmd_run(args, workflow: str) -> int:
         ok = not isinstance(result, Comparison) or result.all_agree
         return 0 if ok else 3
     finally:
-        steps.end(" (stopped)")
+        with contextlib.suppress(BrokenPipeError):  # stdout gone (`| head`): still close what we started
+            steps.end(" (stopped)")
         if rt is not None:
             close_runtime(rt, cluster)  # drops the KV blocks first, so no worker leaves holding any
         else:
@@ -246,15 +256,33 @@ def cmd_run(args, workflow: str) -> int:
 
 
 def cmd_explain(args) -> int:
-    from transformers import AutoConfig
+    from .flow.workflow import tokenizer_and_limit
 
-    from .model.zoo.loader import load_tokenizer, resolve_model_path
-
-    tok = load_tokenizer(args.model)
-    max_pos = AutoConfig.from_pretrained(resolve_model_path(args.model)).max_position_embeddings
+    tok, max_pos = tokenizer_and_limit(args.model)
     wf = _build(args.workflow, args, tok)
-    print(wf.compile(tok, max_pos, args.block_size).explain())
+    cw = wf.compile(tok, max_pos, args.block_size)
+    print(cw.explain())
+    if args.graph:
+        cw.visualize(args.graph)
+        print(f"\nwrote {args.graph}")
     return 0
+
+
+def _graph_file(path) -> str:
+    """``--graph``: a writable file whose extension names a format this machine can draw."""
+    from . import validation
+    from .errors import InvalidInputError
+    from .flow.visualize import FORMATS, require_renderer
+
+    fmt = os.path.splitext(str(path))[1].lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise InvalidInputError(f"--graph {str(path)!r} must end in .{', .'.join(FORMATS)}")
+    path = validation.writable_file("--graph", path)
+    try:
+        require_renderer(fmt)
+    except ImportError as e:  # no graphviz package: one line, like every other bad input
+        raise InvalidInputError(f"--graph: {e}") from None
+    return path
 
 
 def _common(p: argparse.ArgumentParser, model_key: str) -> None:
@@ -273,6 +301,9 @@ def _common(p: argparse.ArgumentParser, model_key: str) -> None:
     p.add_argument("--depth", type=int, default=None, help="tree-of-thought depth (tot only)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--verbose", action="store_true", help="show library logs and progress bars (transformers, Dask)")
+    p.add_argument("--graph", default=None, metavar="FILE",
+                   help="draw G_s to FILE (.svg/.png/.pdf need Graphviz's dot; .dot does not); after a run it shows "
+                        "where each agent ran and what it reused")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -329,6 +360,8 @@ def _resolve_config(args) -> None:
     if agent_count(wf, args.agents, args.rounds, args.depth) > most:
         raise InvalidInputError(f"{wf} with these flags has {agent_count(wf, args.agents, args.rounds, args.depth)} "
                                 f"agents, more than {most} (setting daskflow-kv.max-fork)")
+    if args.graph is not None:
+        args.graph = _graph_file(args.graph)
     if not hasattr(args, "workers"):
         return
     for flag in ("tls_ca_file", "tls_cert", "tls_key"):
@@ -383,10 +416,10 @@ def _quiet(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _parser():
+def _parser(prog: str = "daskflow-kv"):
     from . import validation
 
-    parser = validation.ArgumentParser(prog="daskflow-kv", description=__doc__.splitlines()[0])
+    parser = validation.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", add_help=False, help="benchmark every system and experiment in one run (bench --help)")
     sub.add_parser("plan", add_help=False, help="MODELED transfer vs recompute per context length (plan --help)")
@@ -410,7 +443,7 @@ def _parser():
     return parser
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], prog: str) -> int:
     if argv[:1] == ["bench"]:  # own argument parsers: hand them the rest untouched
         from .bench.run import main as bench_main
 
@@ -419,7 +452,7 @@ def _main(argv: list[str]) -> int:
         from .bench.plan import main as plan_main
 
         return plan_main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     _quiet(getattr(args, "verbose", False))
     _resolve_config(args)
     if args.command == "demo":
@@ -432,24 +465,49 @@ def _main(argv: list[str]) -> int:
     return cmd_explain(args)
 
 
-def main(argv=None) -> int:
-    """Exit status: 0 ok, 2 bad input (one line on stderr), 3 outputs disagreed, 130 interrupted."""
+def main(argv=None, prog: str = "daskflow-kv") -> int:
+    """Exit status: 0 ok (also when the reader of stdout stopped early, as ``| head`` does),
+    2 bad input (one line on stderr), 3 outputs disagreed, 130 interrupted."""
     from .errors import DaskflowKVError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(argv)
+        code = _main(argv, prog)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at interpreter exit
+        return code
     except DaskflowKVError as e:  # bad input, a too-long context, a malformed workflow: one line
         if "--verbose" in argv:
             import traceback
 
             traceback.print_exc()
-        print(f"daskflow-kv: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        print("daskflow-kv: interrupted", file=sys.stderr, flush=True)
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:
+        _drop_stdout()
+        return 0
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout went away (``| head``): what it read was all it wanted. Point
+    stdout at /dev/null so the interpreter's last flush at exit does not fail as well (the
+    recipe of Python's ``signal`` docs; not SIG_DFL for SIGPIPE, which would kill the
+    process before a cluster it started is closed)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+@click.command("kv", context_settings={"ignore_unknown_options": True}, add_help_option=False,
+               short_help="daskflow-kv: KV-cache workflows on Dask (dask kv --help)")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def dask_kv(ctx, args):
+    """``dask kv ...``: the ``daskflow-kv`` command under Dask's CLI (argparse parses ``args``)."""
+    ctx.exit(main(list(args), prog="dask kv"))
 
 
 if __name__ == "__main__":

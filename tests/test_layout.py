@@ -43,7 +43,7 @@ ALLOWED = {
               "errors", "config", "workflows", "validation", "dask_internals"},
     "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "store", "transport", "state",
             "policy", "keys", "errors", "config", "validation", "dask_internals"},
-    "__init__": set(),  # exports by name, imported lazily
+    "__init__": {"config"},  # registers the settings on import; exports by name, imported lazily
 }
 # Third-party packages a part must not import (the scheduler plugin and the policy stay light).
 FORBIDDEN_THIRD_PARTY = {

@@ -72,6 +72,20 @@ class CompiledWorkflow:
     state_edges: list[tuple[str, str]] = field(default_factory=list)  # (producer node, consumer node)
     block_size: int = 64
 
+    def visualize(self, filename: str | None = None, format: str = "svg", result=None):
+        """Draw G_s with graphviz, as ``dask.visualize`` draws a task graph (``flow.visualize``).
+
+        ``filename``: where to write it (its extension, if any, chooses the format); None
+        returns the drawing (an IPython SVG/Image in a notebook). ``format``: svg, png, pdf,
+        jpeg, or dot (the DOT source: the only one that needs no Graphviz ``dot`` program).
+        ``result``: a ``WorkflowResult`` or ``Comparison`` of a run of this graph, to show
+        where each agent ran, its plan and what it reused (a run keeps the groups it found in
+        ``result.graph``; ``Workflow.visualize(result=...)`` draws that one).
+        """
+        from .visualize import visualize
+
+        return visualize(self, filename, format, result)
+
     def explain(self) -> str:
         wf = self.workflow
         lines = [f"workflow {wf.name}: {len(wf.contexts)} contexts, {len(wf.agents)} agents, {len(self.levels)} levels"]
@@ -85,7 +99,9 @@ class CompiledWorkflow:
         return "\n".join(lines)
 
 
-def _levels(wf: WorkflowSpec) -> list[list[str]]:
+def agent_levels(wf: WorkflowSpec) -> list[list[str]]:
+    """The agents by topological level (declaration order inside one); a malformed spec
+    (unknown name, cycle) raises ``WorkflowError``."""
     for agent in wf.agents.values():
         if agent.follows is not None and agent.follows not in wf.agents:
             raise WorkflowError(f"agent {agent.name!r} follows {agent.follows!r}, which is not an agent")
@@ -159,7 +175,7 @@ def _check_merges(wf: WorkflowSpec) -> None:
 def compile_workflow(wf: WorkflowSpec, tokenizer, max_positions: int, block_size: int) -> CompiledWorkflow:
     if not wf.agents:
         raise WorkflowError(f"workflow {wf.name!r} has no agents")
-    levels = _levels(wf)
+    levels = agent_levels(wf)
     _check_merges(wf)
     edges = [(src, a.name) for a in wf.agents.values() for src in a.reads + ((a.follows,) if a.follows else ())]
     cw = CompiledWorkflow(wf, levels, edges, block_size=block_size)

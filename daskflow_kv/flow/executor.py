@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 from .. import validation
+from . import html_repr
 from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
@@ -59,6 +60,9 @@ class WorkflowResult:
     def generated_tokens(self) -> int:
         return sum(len(a.tokens) for a in self.agents.values())
 
+    def _repr_html_(self) -> str:
+        return html_repr.result_html(self)
+
     def as_dict(self) -> dict:
         return {
             "workflow": self.workflow,
@@ -82,6 +86,9 @@ class Comparison:
     @property
     def all_agree(self) -> bool:
         return all(self.agreement.values())
+
+    def _repr_html_(self) -> str:
+        return html_repr.comparison_html(self)
 
     def as_dict(self) -> dict:
         return {"state": self.state.as_dict(), "text": self.text.as_dict(), "agreement": self.agreement}
@@ -190,9 +197,10 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
     return result
 
 
-def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, parallel=None, **runtime_kwargs):
+def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, parallel=None, progress=None,
+                 **runtime_kwargs):
     """Compile ``wf`` and run it; ``mode`` is state, text or both (returns a Comparison).
-    ``parallel``: see ``run_state_mode``."""
+    ``parallel``: see ``run_state_mode``; ``progress``: the per-level callback of both modes."""
     validation.choice("mode", mode, ("state", "text", "both"))
     if parallel is not None:
         parallel = validation.parallelism("parallel", parallel)
@@ -203,9 +211,10 @@ def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, parallel=N
             runtime = stack.enter_context(embedded_runtime(**runtime_kwargs))
         cw = compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size)
         if mode == "text":
-            return run_text_mode(cw, runtime)
-        state = run_state_mode(cw, runtime, parallel=parallel)
+            return run_text_mode(cw, runtime, progress=progress)
+        state = run_state_mode(cw, runtime, progress=progress, parallel=parallel)
         if mode == "state":
             return state
-        text = run_text_mode(compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size), runtime)
+        text = run_text_mode(compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size),
+                             runtime, progress=progress)
         return Comparison(state, text)

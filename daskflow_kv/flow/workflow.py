@@ -1,4 +1,5 @@
-"""``Workflow``: the workflow description plus the two things a user does with it.
+"""``Workflow``: the workflow description plus the things a user does with it: compile,
+run, draw, and look at it in a notebook.
 
 The compiler and the executor only read a ``WorkflowSpec``; this class sits above both,
 so the dependency points one way (spec <- compiler/executor <- Workflow).
@@ -8,12 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import validation
-from .compiler import CompiledWorkflow, compile_workflow
+from .. import config, validation
+from ..errors import WorkflowError
+from . import html_repr, progress as progress_bar
+from .compiler import CompiledWorkflow, agent_levels, compile_workflow
 from .executor import run_workflow
 from .spec import Agent, Context, WorkflowSpec
 
-__all__ = ["Agent", "Context", "Workflow"]
+__all__ = ["Agent", "Context", "Workflow", "tokenizer_and_limit"]
+
+
+def tokenizer_and_limit(model: str | None = None):
+    """``model``'s tokenizer and position limit (default: setting ``daskflow-kv.model``),
+    loaded in this process: enough to compile a workflow without a cluster or the weights."""
+    from ..model.zoo.loader import load_tokenizer, resolve_model_path
+    from ..model.zoo.names import check_model, max_positions
+
+    model = check_model(config.get("model", model), "model")
+    limit = max_positions(model)
+    if limit is None:  # a hub model or a directory without the field at its top: ask transformers
+        from transformers import AutoConfig
+
+        limit = AutoConfig.from_pretrained(resolve_model_path(model)).max_position_embeddings
+    return load_tokenizer(model), limit
 
 
 @dataclass(slots=True)
@@ -24,6 +42,50 @@ class Workflow(WorkflowSpec):
         max_positions = validation.integer("max_positions", max_positions, minimum=1)
         return compile_workflow(self, tokenizer, max_positions, block_size)
 
-    def run(self, mode: str = "state", runtime=None, **runtime_kwargs):
-        """Run on ``runtime`` (a KVRuntime), or on an embedded local cluster."""
-        return run_workflow(self, mode=mode, runtime=runtime, **runtime_kwargs)
+    def run(self, mode: str = "state", runtime=None, progress: bool | None = None, **runtime_kwargs):
+        """Run on ``runtime`` (a KVRuntime), or on an embedded local cluster.
+
+        ``progress``: a bar over the agents (tqdm.auto: a widget in a notebook, text on a
+        terminal); None shows it in a notebook, on a terminal or with ``daskflow-kv.verbose``,
+        and nowhere else (logs and pipes stay clean)."""
+        validation.choice("mode", mode, ("state", "text", "both"))
+        bar = progress_bar.for_run(len(self.agents), mode, progress)
+        if bar is None:
+            return run_workflow(self, mode=mode, runtime=runtime, **runtime_kwargs)
+        try:
+            result = run_workflow(self, mode=mode, runtime=runtime, progress=bar, **runtime_kwargs)
+        except BaseException:
+            bar.close(done=False)
+            raise
+        bar.close()
+        return result
+
+    # -- looking at it ------------------------------------------------------------------------
+    def visualize(self, filename: str | None = None, format: str = "svg", result=None, runtime=None,
+                  model: str | None = None, block_size: int | None = None):
+        """Draw the stateful graph G_s with graphviz, as ``dask.visualize`` draws a task graph.
+
+        ``filename`` (its extension, if any, chooses the format) is written; without one the
+        drawing is returned (an IPython SVG/Image in a notebook). ``format``: svg, png, pdf,
+        jpeg, or dot (the DOT source, the one format that needs no Graphviz ``dot`` program).
+
+        Which G_s: a run's, when ``result`` (a ``WorkflowResult`` or ``Comparison``) is given -
+        its groups as found at run time, and where each agent ran, its plan and what it
+        reused; else compiled for ``runtime`` (a KVRuntime); else for ``model`` (default
+        ``daskflow-kv.model``), whose tokenizer is loaded here (no cluster).
+        """
+        run = getattr(result, "state", result)
+        if run is not None and getattr(run, "graph", None) is not None:
+            cw = run.graph
+        elif runtime is not None:
+            cw = self.compile(runtime.tokenizer, runtime.facts.max_positions, block_size or runtime.block_size)
+        else:
+            tokenizer, limit = tokenizer_and_limit(model)
+            cw = self.compile(tokenizer, limit, block_size)
+        return cw.visualize(filename, format, result=result)
+
+    def _repr_html_(self) -> str:
+        try:
+            return html_repr.workflow_html(self, agent_levels(self))
+        except WorkflowError as e:  # a spec still being written shows what is wrong with it
+            return html_repr.workflow_html(self, None, str(e))

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import dask
 
 from .. import config, validation
+from .main_guard import check_main_guard
 
 from .preloads import (  # noqa: F401  -- part of this module's interface
     DASHBOARD_PRELOAD,
@@ -54,6 +55,7 @@ def local_cluster(
     """
     from distributed import LocalCluster
 
+    check_main_guard("local_cluster()")  # an unguarded script: one clear line before any worker starts
     # 0 is a cluster started empty and scaled later (the CLI asks for >= 1)
     n_workers = validation.setting("cluster.workers", n_workers, "n_workers", validation.integer, minimum=0)
     threads = validation.setting("cluster.threads-per-worker", threads_per_worker, "threads_per_worker",
@@ -184,6 +186,7 @@ def cuda_cluster(*args, **kwargs):
     """``runtime.cuda.cuda_cluster``: LocalCUDACluster over UCX with the KV plugins (see there)."""
     from .cuda import cuda_cluster as make
 
+    check_main_guard("cuda_cluster()")
     return make(*args, **kwargs)
 
 
