@@ -72,7 +72,7 @@ def runtime_facts(rt) -> RuntimeFacts:
     spec = rt.spec
     facts = RuntimeFacts(spec.model, spec.dtype, spec.block_size, spec.namespace, spec.device)
     try:
-        snap = rt._rpc("kv_snapshot")
+        snap = rt.plugin.call("kv_snapshot")
     except Exception as e:  # noqa: BLE001 -- a closed client or a gone scheduler still gets a repr
         facts.error = f"scheduler not reachable ({type(e).__name__})"
     else:

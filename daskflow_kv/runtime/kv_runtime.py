@@ -25,7 +25,7 @@ from ..policy.placement import POLICIES
 from ..state import compat
 from ..state.blocks import keyed_digest
 from ..transport import serialization  # noqa: F401  -- this client reads tensors (logits) too
-from . import parallel_materialize, tasks
+from . import html_repr, parallel_materialize, tasks
 from .calibration import Calibrator
 from .delegate import Delegate
 from .handles import DistGeneration, DistKVState
@@ -245,3 +245,6 @@ class KVRuntime:
 
     def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
         wait([f for s in states for f in s.futures], timeout=timeout)
+
+    def _repr_html_(self) -> str:  # a notebook shows the model, workers, KV against the budget, links
+        return html_repr.runtime_html(self)
