@@ -25,17 +25,22 @@ from ..keys import PERSIST, task_key
 from ..policy.store_read import StoreDecision, StoreProfile, StoreSample, explain_store, fit_store_profile
 from ..store import worker_io as store_io
 from ..store.kv_store import open_store
+from ..store.tenant import StoreTenant
 from .prefix_cache import HeldPrefix
 
 WRITE_OPS = ("materialize", "extend", "merge")  # states whose blocks "materialize-only" writes
 
 
-def store_settings(kv_store: str | None, kv_store_write: str | None) -> tuple[object | None, str]:
-    """(the opened store or None, the write mode), checked before any cluster work."""
+def store_settings(kv_store: str | None, kv_store_write: str | None, tenant: StoreTenant
+                   ) -> tuple[object | None, str]:
+    """(the store opened as ``tenant`` or None, the write mode), checked before any cluster work.
+
+    ``tenant``: the namespace's credentials (``StoreTenant.derive``): its objects live under
+    its own directory, sealed with its own key, so no other tenant lists, reads or forges them."""
     url = validation.setting("store.url", kv_store, "kv_store", validation.optional, validation.store_url)
     write = validation.setting("store.write", kv_store_write, "kv_store_write", validation.choice,
                                validation.STORE_WRITES)
-    return (open_store(url) if url else None), write
+    return (open_store(url, tenant) if url else None), write
 
 
 @dataclass(slots=True, eq=False)
@@ -55,9 +60,14 @@ class PersistentTier:
             return False
         return self.store_write == "all" or op in WRITE_OPS
 
+    @property
+    def tenant(self) -> StoreTenant:
+        """Whose objects this tier reads and writes (workers get it inside each store task)."""
+        return self.store.tenant
+
     def write_request(self, key: str, start: int, end: int) -> store_io.WriteRequest:
         self._stored.add(key)
-        return store_io.WriteRequest(self.store.url, key, start, end, self.fingerprint_digest)
+        return store_io.WriteRequest(self.store.url, key, start, end, self.fingerprint_digest, self.tenant)
 
     def write_reused(self, held: HeldPrefix, upto: int) -> None:
         """Write the reused blocks (ending by ``upto``) of a new shared state that the store may
@@ -103,7 +113,7 @@ class PersistentTier:
         """Write and read back one probe object from a worker; feeds ``profile``."""
         nbytes = validation.setting("store.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
         workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
-        samples = self.client.submit(store_io.probe, self.store.url, nbytes, workers=workers[:1],
+        samples = self.client.submit(store_io.probe, self.store.url, nbytes, self.tenant, workers=workers[:1],
                                      pure=False).result()
         self.samples.extend(StoreSample(n, s) for n, s in samples)
         p = self.profile()

@@ -29,6 +29,7 @@ from . import html_repr, parallel_materialize, tasks
 from .calibration import Calibrator
 from .delegate import Delegate
 from .handles import DistGeneration, DistKVState
+from ..store.tenant import StoreTenant
 from .kv_persistence import PersistentTier, store_settings
 from .materialize import Materializer
 from .planner import Planner
@@ -80,9 +81,10 @@ class KVRuntime:
         kv_budget_bytes = validation.optional("kv_budget_bytes", kv_budget_bytes, validation.byte_size, minimum=0)
         memory_weight = validation.optional("memory_weight", memory_weight, validation.number, minimum=0)
         validation.setting("kv-budget", None, "kv_budget_bytes", validation.optional, validation.byte_size, minimum=0)
-        store, store_write = store_settings(kv_store, kv_store_write)
+        namespace = config.get("namespace", namespace)
+        store, store_write = store_settings(kv_store, kv_store_write, StoreTenant.from_config(namespace, secret))
         self.client = client
-        self.spec = tasks.ModelSpec(model, dtype, block_size, config.get("namespace", namespace), device)
+        self.spec = tasks.ModelSpec(model, dtype, block_size, namespace, device)
         # Idempotent: a plugin already there (preload, another runtime) stays, with its catalog.
         # It installs the worker plugins and the KV page itself (plugins/kv_scheduler.py).
         client.register_plugin(KVSchedulerPlugin())

@@ -85,8 +85,8 @@ class StoreReader:
         """Read ``spans`` (chain order) on ``target`` and publish the verified leading run:
         (block, future) for each block now under its key."""
         keys = [k for k, _, _ in spans]
-        out = self.submitter.load_from_store(self.tier.store.url, keys, sid, target, decision.as_dict(),
-                                             decision.nbytes)
+        out = self.submitter.load_from_store(self.tier.store.url, self.tier.tenant, keys, sid, target,
+                                             decision.as_dict(), decision.nbytes)
         summary = self.client.submit(store_io.load_summary, out, workers=[target] if target else None,
                                      allow_other_workers=True, pure=False).result()
         if summary["blocks"]:

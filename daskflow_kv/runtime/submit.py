@@ -84,12 +84,12 @@ class Submitter:
                                         breq.op, breq.batch_id, worker, reads, placement, predicted_s,
                                         extra={"branches": [r.state_id for r in breq.requests]}))
 
-    def load_from_store(self, url: str, keys: list[str], state_id: str, worker: str | None, decision: dict,
+    def load_from_store(self, url: str, tenant, keys: list[str], state_id: str, worker: str | None, decision: dict,
                         nbytes: int) -> Future:
-        """Read ``keys`` from the persistent store on ``worker`` (``store_io.load_blocks``)."""
+        """Read ``keys`` from the persistent store on ``worker`` as ``tenant`` (``store_io.load_blocks``)."""
         note = self._note("store-load", state_id, worker, (), decision, True, nbytes)
         with dask.annotate(kv=note):
-            return self.client.submit(store_io.load_blocks, url, keys, key=task_key(STORE_LOAD, state_id),
+            return self.client.submit(store_io.load_blocks, url, keys, tenant, key=task_key(STORE_LOAD, state_id),
                                       workers=[worker] if worker else None, pure=False)
 
     def out_bytes(self, req) -> int:
