@@ -10,10 +10,14 @@ the range those tests passed on, and CI runs them on its oldest and newest relea
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from distributed import Future
 from distributed.scheduler import ClientState
+
+logger = logging.getLogger("daskflow_kv.dask_internals")
 
 
 # -- client side ------------------------------------------------------------------------------
@@ -32,7 +36,44 @@ def hold_futures(client, keys: Iterable) -> dict:
     return futures
 
 
+def send_on_stream(client, msg: dict) -> None:
+    """Send ``msg`` to a scheduler stream handler on ``client``'s own batched stream (the
+    connection ``update-graph`` travels on), in order with everything else it sends there."""
+    client._send_to_scheduler(msg)
+
+
+# -- scheduler side: who is calling ---------------------------------------------------------------
+def current_connection() -> asyncio.Task | None:
+    """The connection the scheduler is serving at this moment, as an opaque object.
+
+    Dask serves each comm in its own asyncio task: one client's (or worker's) batched
+    stream is read for its whole life by one task, which runs every stream handler of that
+    stream - and ``update-graph``, with the ``SchedulerPlugin.update_graph`` hooks it calls.
+    The ``client=`` / ``worker=`` Dask hands a stream handler cannot say who sent a message:
+    it is ``merge(extra, msg)``, so a message that names ``client`` overrides the stream's
+    own. The task identity can't be forged from a message. None outside a task.
+    """
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+def connection_open(connection) -> bool:
+    """The connection (``current_connection``) is still being served: its peer has not left."""
+    return connection is not None and not connection.done()
+
+
 # -- scheduler side -----------------------------------------------------------------------------
+def add_stream_handlers(scheduler, handlers: Mapping) -> None:
+    """Handlers for messages clients and workers send on their batched streams.
+
+    Dask looks a stream message's op up in one table shared by clients and workers and
+    raises on an unknown one, which closes that stream: a handler must exist before any
+    peer sends its op, and must never raise (a bad message would end its sender's stream)."""
+    scheduler.stream_handlers.update(handlers)
+
+
 def add_handlers(scheduler, handlers: Mapping) -> None:
     """RPC handlers a client reaches with ``client.scheduler.<name>(...)``, as extensions add theirs."""
     scheduler.handlers.update(handlers)
@@ -95,6 +136,116 @@ def fail_task(scheduler, key, exc: BaseException, stimulus_id: str) -> None:
     )
     scheduler._transitions(recs, client_msgs, worker_msgs, stimulus_id)
     scheduler.send_all(client_msgs, worker_msgs)
+
+
+def refuse_new_tasks(scheduler, keys: Collection, exc: BaseException, stimulus_id: str) -> list:
+    """From a ``SchedulerPlugin.update_graph`` hook: the graph's new tasks ``keys`` never run.
+
+    Dask calls the hook after it made the graph's tasks (still ``released``: nothing was
+    sent to a worker) and before it schedules them. Each refused task errs with ``exc`` -
+    the clients that want it get that error, and its dependents in the graph err too, as
+    when a task fails - and is then forgotten with them, so the key is free again for the
+    task its owner submits (an erred key kept by the refused client's future would answer
+    the owner's submission with this error). Tasks no longer ``released`` are left alone.
+    -> the keys forgotten.
+    """
+    from distributed.protocol.serialize import to_serialize
+
+    refused = [scheduler.tasks[k] for k in keys if k in scheduler.tasks and scheduler.tasks[k].state == "released"]
+    if not refused:
+        return []
+    error, text = to_serialize(exc), f"{type(exc).__name__}: {exc}"
+    for ts in refused:
+        ts.exception, ts.exception_text, ts.traceback, ts.traceback_text = error, text, None, ""
+        ts.exception_blame = ts
+    scheduler.transitions({ts.key: "erred" for ts in refused}, stimulus_id)
+    # Every task that erred with them (the refused ones and their dependents, transitively).
+    erred, stack = {}, list(refused)
+    while stack:
+        ts = stack.pop()
+        if ts.key in erred or ts.state != "erred":
+            continue
+        erred[ts.key] = ts
+        stack.extend(ts.dependents)
+    for ts in erred.values():
+        for cs in list(ts.who_wants or ()):
+            scheduler.client_releases_keys([ts.key], cs.client_key, stimulus_id)
+    return [k for k, ts in erred.items() if scheduler.tasks.get(k) is not ts]
+
+
+def strip_annotation(scheduler, task_states: Iterable, name: str) -> None:
+    """Drop annotation ``name`` from new tasks before Dask ships them to workers.
+
+    Dask sends a task's annotations to the worker that runs it (``compute-task``) and shows
+    them on its task pages; ``dask.annotate`` values also land in the graph's
+    ``Computation``. The scheduler plugin reads ours in its update_graph hook and needs
+    them nowhere else. Call from that hook, before the tasks are scheduled.
+    """
+    for ts in task_states:
+        if ts.annotations and name in ts.annotations:
+            ts.annotations = {k: v for k, v in ts.annotations.items() if k != name}
+    if scheduler.computations:
+        scheduler.computations[-1].annotations.pop(name, None)
+
+
+def guard_data_handlers(scheduler, refused: Callable[[Collection], BaseException | None]) -> None:
+    """Refuse data a client puts on workers under keys ``refused`` objects to.
+
+    ``Client.scatter`` enters data without a task: ``scatter`` and ``update_data`` (RPCs)
+    and ``update-data`` (a client stream op) record it as in memory on the workers named,
+    under the client's keys - a new key, or another replica of a key already computed,
+    which a task on that worker would then read. ``refused(keys)`` returns the exception
+    that says why, or None: an RPC raises it to its caller; the stream op drops those keys.
+    The data itself reaches workers through their ``update_data`` (``guard_worker_data``).
+    """
+    handlers, streams = scheduler.handlers, scheduler.stream_handlers
+    scatter, update_rpc, update_stream = handlers["scatter"], handlers["update_data"], streams["update-data"]
+    if getattr(scatter, "daskflow_kv_guard", False):
+        return
+
+    async def guarded_scatter(*args, data=None, **kwargs):
+        exc = refused(list(data or ()))
+        if exc is not None:
+            raise exc
+        return await scatter(*args, data=data, **kwargs)
+
+    def guarded_update_data(*, who_has, nbytes, client=None):
+        exc = refused(list(who_has))
+        if exc is not None:
+            raise exc
+        return update_rpc(who_has=who_has, nbytes=nbytes, client=client)
+
+    def guarded_update_stream(*, who_has, nbytes, client=None):
+        keep = {k: v for k, v in who_has.items() if refused([k]) is None}
+        if len(keep) < len(who_has):
+            logger.warning("daskflow-kv: refused data for %d key(s) from client %s", len(who_has) - len(keep), client)
+        if keep:
+            update_stream(who_has=keep, nbytes=nbytes, client=client)
+
+    for fn in (guarded_scatter, guarded_update_data, guarded_update_stream):
+        fn.daskflow_kv_guard = True
+    handlers["scatter"], handlers["update_data"] = guarded_scatter, guarded_update_data
+    streams["update-data"] = guarded_update_stream
+
+
+def guard_worker_data(worker, refused: Callable[[Collection], BaseException | None]) -> None:
+    """The worker's side of ``guard_data_handlers``: its ``update_data`` RPC (what
+    ``Client.scatter`` sends the data with) refuses keys ``refused`` objects to, raising the
+    exception to the caller. It would otherwise put the value in the worker's memory under
+    that key - over a value a task computed there - and serve it to the next task that
+    reads the key, or runs under it."""
+    update = worker.handlers["update_data"]
+    if getattr(update, "daskflow_kv_guard", False):
+        return
+
+    def guarded(data, stimulus_id=None):
+        exc = refused(list(data))
+        if exc is not None:
+            raise exc
+        return update(data=data, stimulus_id=stimulus_id)
+
+    guarded.daskflow_kv_guard = True
+    worker.handlers["update_data"] = guarded
 
 
 def unrunnable(scheduler) -> list:
@@ -207,6 +358,19 @@ def task_abandoned(worker, key) -> bool:
     """
     ts = worker.state.tasks.get(key)
     return ts is None or ts.state in ("cancelled", "released", "forgotten")
+
+
+def send_to_scheduler_stream(worker, msg: dict) -> None:
+    """Send ``msg`` to a scheduler stream handler on the worker's own batched stream (the
+    connection its task results travel on): the handler runs with ``worker=`` that stream's."""
+    worker.batched_stream.send(msg)
+
+
+def running_task_key():
+    """The key of the task this worker thread is running (None outside a task)."""
+    from distributed.worker import thread_state
+
+    return getattr(thread_state, "key", None)
 
 
 async def call_scheduler(worker, name: str, /, **kwargs):
