@@ -9,12 +9,18 @@ for a while in any case (a lookup's lease expires, a client's release is on its 
 and then fails with a message naming the budget, the working set and what the task
 needs, rather than exceed the budget or hang.
 
+Tenants with a quota (KV bytes per worker guaranteed to them) are kept apart: a task of
+one tenant may evict another tenant's blocks only down to that tenant's quota (the floors
+of ``choose_victims``), and may not fill the room another tenant's quota keeps free for it
+(the part of the quota it does not hold yet), so one tenant pinning blocks cannot make
+another's next prefill fail.
+
 Plain numbers in, one ``Admission`` out; the scheduler plugin does what it says.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .eviction import BlockUsage, choose_victims
@@ -37,26 +43,56 @@ def _mib(n: float) -> str:
     return f"{int(n)} B"
 
 
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """Whose task it is and what every tenant is guaranteed on the worker (empty: no quotas)."""
+
+    owner: str | None = None  # the tenant the task's blocks will belong to
+    quotas: Mapping[str, int] | None = None  # tenant -> KV bytes per worker guaranteed to it
+    held: Mapping[str | None, int] | None = None  # tenant -> KV bytes it holds on the worker now
+    reserved: Mapping[str | None, int] | None = None  # tenant -> bytes promised to its running tasks there
+
+    def others(self) -> dict[str, int]:
+        """The other tenants' quotas: floors this task's evictions respect."""
+        return {o: q for o, q in (self.quotas or {}).items() if o != self.owner and q > 0}
+
+    def unclaimed(self) -> int:
+        """Room the other tenants' quotas keep free: the part of each they do not hold yet."""
+        held, reserved = self.held or {}, self.reserved or {}
+        return sum(max(0, q - held.get(o, 0) - reserved.get(o, 0)) for o, q in self.others().items())
+
+
+NO_TENANCY = Tenancy()
+
+
 def admit(need: int, held: int, reserved: int, budget: int, blocks: Iterable[BlockUsage], now: float,
-          busy: bool = False, waited: float = 0.0, patience: float = 0.0, worker: str = "the worker") -> Admission:
+          busy: bool = False, waited: float = 0.0, patience: float = 0.0, worker: str = "the worker",
+          tenancy: Tenancy = NO_TENANCY) -> Admission:
     """Decide for a task needing ``need`` more KV bytes on a worker.
 
     held: KV bytes the worker holds now; reserved: bytes already promised to tasks sent
     there and still running; blocks: what the worker holds, for eviction; busy: other KV
     tasks are running there; waited: seconds the task has been parked; patience: how long
-    it may wait when nothing runs there.
+    it may wait when nothing runs there; tenancy: whose task it is and the tenants' quotas.
     """
     if need > budget:
         return Admission(FAIL, reason=f"this task needs {_mib(need)} of KV on {worker}, more than the whole "
                                       f"budget of {_mib(budget)}; raise daskflow-kv.kv-budget")
+    others = tenancy.others()
+    if need > budget - sum(others.values()):
+        return Admission(FAIL, reason=f"this task of {tenancy.owner!r} needs {_mib(need)} of KV on {worker}, more "
+                                      f"than the budget of {_mib(budget)} leaves beside the other tenants' quotas "
+                                      f"({_mib(sum(others.values()))}); raise daskflow-kv.kv-budget")
+    room = budget - tenancy.unclaimed()
     total = held + reserved + need
-    if total <= budget:
+    if total <= room:
         return Admission(ADMIT)
-    plan = choose_victims(blocks, total, budget, now)
+    plan = choose_victims(blocks, total, room, now, floors=others, held=tenancy.held)
     if not plan.over_budget_pinned:
         return Admission(ADMIT, plan.victims)
     pinned = plan.remaining_bytes - reserved - need
     why = (f"KV budget {_mib(budget)} on {worker}: this task needs {_mib(need)}, {_mib(reserved)} are promised "
-           f"to running tasks and {_mib(pinned)} are pinned (live states, leases, running readers); "
-           "release states or raise daskflow-kv.kv-budget")
+           f"to running tasks and {_mib(pinned)} are pinned (live states, leases, running readers)"
+           + (f" or kept for other tenants' quotas ({_mib(budget - room)} of them unused)" if others else "")
+           + "; release states or raise daskflow-kv.kv-budget")
     return Admission(WAIT if (busy or waited < patience) else FAIL, reason=why)

@@ -6,6 +6,8 @@ touches a tensor or a Dask key.
 
 Rules, in order of strength:
 1. A pinned block (held by a live state, or needed by a waiting/running task) is never chosen.
+   Nor is a block whose owner (its tenant) would drop below its floor on this worker: a
+   tenant's quota is guaranteed against every other tenant's tasks (``floors``).
 2. Chains are cut from the end: a block is a candidate only once every cached child of it
    is gone (or chosen earlier in the same plan). A prefix without its suffix still serves
    a shorter prompt; a suffix without its prefix serves nobody.
@@ -17,7 +19,7 @@ Rules, in order of strength:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -30,6 +32,7 @@ class BlockUsage:
     pinned: bool = False  # referenced by a live state or a waiting/running task: never evicted
     parent: str | None = None  # key of the previous block of the chain (None: first block)
     token_start: int = 0  # position of the block's first token: deeper goes first on ties
+    owner: str | None = None  # the tenant (namespace) whose block it is; None: nobody's
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,7 @@ class EvictionPlan:
     victims: tuple[str, ...]  # keys to release, in order (leaves of a chain before parents)
     freed_bytes: int  # sum of the victims' nbytes
     remaining_bytes: int  # used_bytes - freed_bytes
-    over_budget_pinned: bool  # still over budget: all that is left is pinned or under a pinned block
+    over_budget_pinned: bool  # still over budget: all that is left is pinned, under a pinned block or at a floor
 
 
 def eviction_score(b: BlockUsage, now: float, weights: EvictionWeights = DEFAULT_WEIGHTS) -> float:
@@ -65,13 +68,27 @@ def eviction_score(b: BlockUsage, now: float, weights: EvictionWeights = DEFAULT
     return frequency * recency / max(1, b.nbytes) ** weights.size_exponent
 
 
+def owner_bytes(blocks: Iterable[BlockUsage]) -> dict[str | None, int]:
+    """Bytes each owner's listed blocks hold."""
+    out: dict[str | None, int] = {}
+    for b in blocks:
+        out[b.owner] = out.get(b.owner, 0) + b.nbytes
+    return out
+
+
 def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: int, now: float,
-                   weights: EvictionWeights = DEFAULT_WEIGHTS) -> EvictionPlan:
+                   weights: EvictionWeights = DEFAULT_WEIGHTS, floors: Mapping[str, int] | None = None,
+                   held: Mapping[str | None, int] | None = None) -> EvictionPlan:
     """The fewest-regret set of unpinned blocks whose release brings ``used_bytes`` to budget.
 
     ``used_bytes`` may include memory that is not blocks (it is what the worker measures);
     only the listed blocks can be freed. Greedy over a heap of chain leaves: releasing a
     leaf may turn its parent into a leaf, which then competes on score like any other.
+
+    ``floors``: owner -> bytes its blocks keep on this worker (a tenant's quota, against
+    other tenants' tasks): a block of that owner goes only if the owner still holds at
+    least its floor without it. ``held``: owner -> bytes it holds here now (default: its
+    listed blocks).
     """
     by_key: dict[str, BlockUsage] = {}
     for b in blocks:
@@ -89,6 +106,12 @@ def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: 
     def entry(b: BlockUsage) -> tuple[float, int, str]:
         return (eviction_score(b, now, weights), -b.token_start, b.key)
 
+    floors = floors or {}
+    left = dict(owner_bytes(by_key.values()) if held is None else held)  # owner -> bytes it still holds
+
+    def above_floor(b: BlockUsage) -> bool:
+        return b.owner not in floors or left.get(b.owner, 0) - b.nbytes >= floors[b.owner]
+
     heap = [entry(b) for b in by_key.values() if not b.pinned and children[b.key] == 0]
     heapq.heapify(heap)
     victims: list[str] = []
@@ -96,8 +119,11 @@ def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: 
     while heap and used_bytes - freed > budget_bytes:
         _, _, key = heapq.heappop(heap)
         b = by_key[key]
+        if not above_floor(b):  # its owner holds no more than its floor: it only shrinks, so never in this plan
+            continue
         victims.append(key)
         freed += b.nbytes
+        left[b.owner] = left.get(b.owner, 0) - b.nbytes
         if b.parent in children and b.parent != key:
             children[b.parent] -= 1
             parent = by_key[b.parent]
