@@ -248,6 +248,12 @@ def guard_worker_data(worker, refused: Callable[[Collection], BaseException | No
     worker.handlers["update_data"] = guarded
 
 
+async def call_worker_from_scheduler(scheduler, address: str, op: str, **kwargs):
+    """One RPC from the scheduler to the handler ``op`` of the worker listening at ``address``
+    (``add_worker_handlers``): it reaches that worker's own server, whoever asked for it."""
+    return await getattr(scheduler.rpc(address), op)(**kwargs)
+
+
 def unrunnable(scheduler) -> list:
     """Tasks parked in no-worker (no valid worker for their restrictions)."""
     return list(scheduler.unrunnable)

@@ -41,3 +41,8 @@ class WorkflowError(InvalidInputError):
 
 class KVBudgetError(DaskflowKVError):
     """A task would take a worker's KV past its budget and nothing evictable makes room."""
+
+
+class OpenSchedulerError(InvalidInputError):
+    """A client holds a tenant's secret but the scheduler has no tenants: it would act as an admin
+    of one shared trust domain (``daskflow-kv.open-scheduler: warn`` allows it)."""

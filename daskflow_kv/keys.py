@@ -1,7 +1,10 @@
 """Every name daskflow-kv puts into Dask: key kinds, their constructors and parsers, topics.
 
 One vocabulary for the client, the workers, the scheduler plugin and the store (as the P2P
-shuffle's ``barrier_key`` / ``id_from_key``). A Dask key of ours is ``<kind>-<rest>``:
+shuffle's ``barrier_key`` / ``id_from_key``). A Dask key of ours is ``<kind>-<tag>-<rest>``,
+``<tag>`` naming the namespace whose task computes it (``namespace_tag``: 8 hex digits of a
+hash of the namespace's name), so the scheduler plugin can tell whose a key is before it
+lets a task run under it:
 
 =================  ==========================================================================
 ``kvblock-…``      a content-addressed KV block (``state.blocks.block_key``): what the catalog
@@ -14,11 +17,15 @@ shuffle's ``barrier_key`` / ``id_from_key``). A Dask key of ours is ``<kind>-<re
 ``kvpersist-…``    a low-priority task that queues store writes of blocks already in memory
 =================  ==========================================================================
 
+(The local ``Engine``, which has no scheduler, makes block keys without a tag.)
+
 Torch-free and Dask-free: the scheduler plugin, the store and the dashboard import it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import secrets
 
 BLOCK = "kvblock"
@@ -41,7 +48,10 @@ OUTPUTS = (PREFILL, STORE_LOAD)
 PLUGIN_NAME = "daskflow-kv"  # the scheduler plugin, in ``scheduler.plugins``
 EVENT_TOPIC = "daskflow-kv"  # lifecycle events in Dask's event log (keys cut short)
 PREFILL_TOPIC = "daskflow-kv-prefill"  # prefill timings workers report (no keys, no tokens)
-REPORT_RPC = "kv_worker_report"  # worker -> scheduler plugin: spilled blocks, store I/O
+REPORT_OP = "kv_worker_report"  # worker -> scheduler plugin, on the worker's stream: spilled blocks, store I/O
+REPORT_HELLO_RPC = "kv_report_hello"  # worker -> scheduler: send me my report token
+REPORT_TOKEN_RPC = "kv_report_token"  # scheduler -> the worker's own address: the token its reports carry
+BIND_OP = "kv_bind"  # client -> scheduler plugin, on the client's stream: the login nonce it answers
 CACHE_CLIENT = "daskflow-kv-cache"  # scheduler-side pseudo-client that keeps published blocks
 HOLD_WORKER = "daskflow-kv://awaiting-admission"  # a worker that never exists: parks held tasks
 
@@ -50,26 +60,44 @@ def _prefixes(kinds) -> tuple[str, ...]:
     return tuple(k + "-" for k in kinds)
 
 
+_ALL = _prefixes(KINDS)
 _PLACED = _prefixes(PLACED)
 _HOLDS_KV = _prefixes(HOLDS_KV)
 _OUTPUTS = _prefixes(OUTPUTS)
 
 
+TAG_HEX = 8  # hex digits of a namespace tag
+_TAG_RE = re.compile(rf"^[0-9a-f]{{{TAG_HEX}}}$")
+
+
 # -- constructors -------------------------------------------------------------------------------
-def block_key(digest_hex: str) -> str:
-    """The Dask key of a block whose content address is ``digest_hex``."""
-    return f"{BLOCK}-{digest_hex}"
+def namespace_tag(namespace: str) -> str:
+    """The tag a namespace's keys carry: 8 hex digits of a hash of its name. It names the
+    namespace (anyone can compute it from the name); the scheduler plugin lets a task run
+    under a tagged key only for a session of that namespace."""
+    if not isinstance(namespace, str):
+        raise TypeError(f"a namespace is a string, not {namespace!r}")
+    return hashlib.sha256(b"daskflow-kv/namespace-tag/v1|" + namespace.encode()).hexdigest()[:TAG_HEX]
 
 
-def task_key(kind: str, *ident) -> str:
-    """Key of a task whose result holds K/V or a user's tokens: ``<kind>-<ident…>-<16 hex>``.
+def block_key(digest_hex: str, namespace: str | None = None) -> str:
+    """The Dask key of ``namespace``'s block whose content address is ``digest_hex``
+    (``kvblock-<tag>-<digest>``; no namespace: ``kvblock-<digest>``, the local engine's)."""
+    if namespace is None:
+        return f"{BLOCK}-{digest_hex}"
+    return f"{BLOCK}-{namespace_tag(namespace)}-{digest_hex}"
+
+
+def task_key(kind: str, namespace: str, *ident) -> str:
+    """Key of a task of ``namespace`` whose result holds K/V or a user's tokens:
+    ``<kind>-<tag>-<ident…>-<16 hex>``.
 
     Dask serves any key to any client that names it; the random tail keeps these from being
     named by whoever read a state id in an event or on the dashboard.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown key kind {kind!r}; expected one of {KINDS}")
-    parts = [kind, *(str(i) for i in ident if i not in (None, "")), secrets.token_hex(8)]
+    parts = [kind, namespace_tag(namespace), *(str(i) for i in ident if i not in (None, "")), secrets.token_hex(8)]
     return "-".join(parts)
 
 
@@ -83,6 +111,19 @@ def kind_of(key) -> str | None:
     k = str(key)
     head = k.split("-", 1)[0]
     return head if head in KINDS and len(k) > len(head) + 1 else None
+
+
+def tag_of(key) -> str | None:
+    """The namespace tag of one of our keys; None for an untagged key or any other key."""
+    if kind_of(key) is None:
+        return None
+    parts = str(key).split("-", 2)
+    return parts[1] if len(parts) == 3 and _TAG_RE.match(parts[1]) else None
+
+
+def is_kv(key) -> bool:
+    """One of our keys, of any kind: what only a namespace's own task may compute."""
+    return str(key).startswith(_ALL)
 
 
 def is_block(key) -> bool:

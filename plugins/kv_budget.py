@@ -11,6 +11,11 @@ that cannot fit waits while other KV tasks run on its worker and fails with a cl
 otherwise (``KVBudgetError``). A periodic check (``enforce``) still trims retained blocks
 down to the budget as states are released (``policy.eviction.choose_victims``).
 
+Tenants with a quota (``daskflow-kv.tenants.<name>.quota``) are guaranteed that many KV
+bytes on every worker: another tenant's task may evict their blocks only down to it, and
+may not take the part of it they do not hold yet (``policy.admission.Tenancy``); the
+periodic trim never takes a tenant below its quota either.
+
 The chunk tasks of one parallel prefill are a *gang*: they must run at the same time (each
 waits for the K/V of the chunks before it), so they are admitted together or not at all -
 one admitted alone would hold its worker's thread waiting for a peer still parked.
@@ -20,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError
 from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER
-from daskflow_kv.policy.admission import ADMIT, FAIL, admit
+from daskflow_kv.policy.admission import ADMIT, FAIL, Tenancy, admit
 from daskflow_kv.policy.eviction import choose_victims
 from daskflow_kv.state.catalog import KVCatalog
 
@@ -35,6 +41,7 @@ from .kv_settings import KVSettings
 from .kv_usage import KVUsage
 
 logger = logging.getLogger("daskflow_kv.scheduler")
+NO_QUOTAS = Tenancy()
 
 
 @dataclass(slots=True)
@@ -62,12 +69,14 @@ class Verdict(NamedTuple):
 
 
 class BudgetEnforcer:
-    __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_held", "_reserved",
+    __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
                  "_admit_pending", "_evicting", "_over_budget", "_dirty")
 
-    def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog):
+    def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
+                 quotas: Mapping[str, int] | None = None):
         self._scheduler = scheduler  # tasks to park, send, fail; workers to trim
         self._settings = settings  # kv_budget_bytes and admission_patience, read at each decision
+        self._quotas = dict(quotas or {})  # namespace -> KV bytes per worker guaranteed to it
         self._catalog = catalog  # eviction counters and each block's namespace
         self._usage = usage  # KV bytes per worker and what could be evicted
         self._events = events  # evict and over-budget events
@@ -202,12 +211,26 @@ class BudgetEnforcer:
             return Verdict(ADMIT, (), "", worker, 0)
         ws = self._scheduler.workers[worker]
         need = held.out_bytes + self._usage.incoming(ts, worker)
-        used, usage = self._usage.usage(ws, now)
+        wu = self._usage.usage(ws, now)
         busy = any(self._held[t.key].worker == worker for t in ws.processing if t.key in self._held)
-        reserved = self._reserved.get(worker, 0) + (promised or {}).get(worker, 0)
-        d = admit(need, used, reserved, budget, usage, now, busy, now - held.since,
-                  self._settings.admission_patience, worker)
+        promised_here = (promised or {}).get(worker, 0)
+        reserved = self._reserved.get(worker, 0) + promised_here
+        tenancy = NO_QUOTAS
+        if self._quotas:
+            by_owner = self._reserved_by_owner(worker)
+            by_owner[held.namespace] = by_owner.get(held.namespace, 0) + promised_here
+            tenancy = Tenancy(held.namespace, self._quotas, wu.by_owner, by_owner)
+        d = admit(need, wu.used, reserved, budget, wu.blocks, now, busy, now - held.since,
+                  self._settings.admission_patience, worker, tenancy)
         return Verdict(d.action, d.victims, d.reason, worker, need)
+
+    def _reserved_by_owner(self, worker: str) -> dict[str | None, int]:
+        """Bytes promised to each namespace's admitted, running tasks on ``worker``."""
+        out: dict[str | None, int] = {}
+        for h in self._held.values():
+            if h.worker == worker:
+                out[h.namespace] = out.get(h.namespace, 0) + h.reserved
+        return out
 
     def _apply(self, key, ts, held: Held, verdict: Verdict, stimulus: str) -> None:
         action, victims, reason, worker, need = verdict
@@ -231,10 +254,10 @@ class BudgetEnforcer:
             else:
                 self._evicting.add(key)
                 di.unwant(self._scheduler, [key], CACHE_CLIENT, stimulus)
-            self._catalog.count("evictions")
-            self._catalog.count("bytes_evicted", ts.get_nbytes())
-            self._events.record("evict", self._catalog.namespace_of(key), key=key, worker=addr,
-                                nbytes=ts.get_nbytes())
+            namespace = self._catalog.namespace_of(key)
+            self._catalog.count("evictions", namespace=namespace)
+            self._catalog.count("bytes_evicted", ts.get_nbytes(), namespace)
+            self._events.record("evict", namespace, key=key, worker=addr, nbytes=ts.get_nbytes())
 
     def enforce(self, force: bool = False) -> list:
         """Admit what now fits, then trim every worker to the budget (retained blocks after
@@ -249,12 +272,12 @@ class BudgetEnforcer:
         stimulus = f"kv-evict-{now}"
         evicted = []
         for addr, ws in list(self._scheduler.workers.items()):
-            used, usage = self._usage.usage(ws, now)
+            wu = self._usage.usage(ws, now)
             room = budget - self._reserved.get(addr, 0)
-            if used <= room:
+            if wu.used <= room:
                 self._over_budget.discard(addr)
                 continue
-            plan = choose_victims(usage, used, room, now)
+            plan = choose_victims(wu.blocks, wu.used, room, now, floors=self._quotas, held=wu.by_owner)
             self._evict(addr, plan.victims, stimulus)
             evicted += plan.victims
             if plan.over_budget_pinned:

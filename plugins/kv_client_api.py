@@ -1,11 +1,16 @@
 """The RPCs a KVRuntime calls (``client.scheduler.kv_*``), each scoped to the caller's tenant.
 
-A client first answers a challenge (``kv_challenge`` / ``kv_login``, see ``tenants``) and
-passes the session token it gets on every call. What a session sees and changes:
+A client first answers a challenge (``kv_challenge``, its nonce sent back on the client's
+own stream, ``kv_login``; see ``tenants``) and passes the session token it gets on every
+call; the session is bound to that client (the keys a call acquires are wanted for it,
+whatever a caller names). What a session sees and changes:
 
-* lookup and acquire: only its namespace's blocks. A lookup takes the caller's own chain
-  keys and tokens and answers with a count and block keys - never another block's token
-  ids, so a cached prompt cannot be read back through it;
+* lookup and acquire: only its namespace's blocks, and only while the task Dask holds
+  under the key is one its namespace submitted (``kv_ownership``). A lookup takes the
+  caller's own chain keys and tokens and answers with a count and block keys - never
+  another block's token ids, so a cached prompt cannot be read back through it;
+* register states: a state id once, by its namespace; a state lists only its namespace's
+  blocks; the wait for their tasks is the server's, not the caller's;
 * catalog rows, lifecycle events and cost-model decisions: its namespace's (admin: all);
 * release: only its own states;
 * the global budget, the memory weight and forced eviction: admin only, since they change
@@ -21,6 +26,7 @@ import asyncio
 import time
 
 from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import is_block, short_key, tag_of
 from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_budget import BudgetEnforcer
@@ -28,6 +34,8 @@ from .kv_events import EventLog
 from .kv_leases import LeaseBook, usable
 from .kv_lifecycle import BlockLifecycle
 from .kv_locality import Locality
+from .kv_notes import MAX_LIST, MAX_TEXT
+from .kv_ownership import KeyOwnership
 from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
 from .kv_settings import KVSettings
@@ -40,17 +48,52 @@ RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot
              "kv_drop")
 
 
+class Arrivals:
+    """Wakes calls waiting for tasks the scheduler does not know yet: a client submits them on
+    its stream and calls over RPC, which can overtake them."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self):
+        self._event = asyncio.Event()  # set (and replaced) whenever a graph arrives
+
+    def note(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, present, timeout: float) -> bool:
+        """Until ``present()`` holds (checked at each arrival) or ``timeout`` s pass. -> ``present()``."""
+        deadline = time.monotonic() + timeout
+        while not present():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._event.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+
+def _strings(name: str, value, most: int = MAX_LIST) -> list[str]:
+    if not isinstance(value, (list, tuple)) or len(value) > most or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list of at most {most} strings")
+    return list(value)
+
+
 class ClientHandlers:
-    __slots__ = ("_scheduler", "_settings", "_tenants", "_catalog", "_leases", "_locality", "_budget", "_usage",
-                 "_queue", "_profiles", "_lifecycle", "_events", "_views")
+    __slots__ = ("_scheduler", "_settings", "_tenants", "_catalog", "_ownership", "_leases", "_locality", "_budget",
+                 "_usage", "_queue", "_profiles", "_lifecycle", "_events", "_views", "arrivals")
 
     def __init__(self, scheduler, settings: KVSettings, tenants: TenantRegistry, catalog: KVCatalog,
-                 leases: LeaseBook, locality: Locality, budget: BudgetEnforcer, usage: KVUsage, queue: QueueTracker,
-                 profiles: ProfileBook, lifecycle: BlockLifecycle, events: EventLog, views: KVViews):
+                 ownership: KeyOwnership, leases: LeaseBook, locality: Locality, budget: BudgetEnforcer,
+                 usage: KVUsage, queue: QueueTracker, profiles: ProfileBook, lifecycle: BlockLifecycle,
+                 events: EventLog, views: KVViews):
         self._scheduler = scheduler  # tasks and workers the answers describe
         self._settings = settings  # the budget and memory weight (the admin changes them)
         self._tenants = tenants  # sessions: who is calling, what they may see
         self._catalog = catalog  # prefix lookups, states
+        self._ownership = ownership  # which namespace's task computes each KV key
         self._leases = leases  # acquisition of looked-up blocks
         self._locality = locality  # where a block is or will be
         self._budget = budget  # told of releases; forced checks
@@ -60,6 +103,7 @@ class ClientHandlers:
         self._lifecycle = lifecycle  # dropping the whole cache
         self._events = events  # lifecycle events of the calls
         self._views = views  # catalog rows and counters
+        self.arrivals = Arrivals()  # graphs arriving (the plugin notes each): register_states waits on it
 
     def handlers(self) -> dict:
         """RPC name -> handler, for ``Scheduler.handlers``."""
@@ -79,30 +123,43 @@ class ClientHandlers:
     def handle_challenge(self) -> str:
         return self._tenants.challenge()
 
-    def handle_login(self, namespace: str = "", nonce: str | None = None, proof: str | None = None,
-                     client: str | None = None) -> dict:
-        s = self._tenants.login(namespace, nonce, proof, client)
+    async def handle_login(self, namespace: str = "", nonce: str | None = None, proof: str | None = None) -> dict:
+        """A session for the client whose stream sent ``nonce`` back (``BIND_OP``)."""
+        s = await self._tenants.login(namespace, nonce, proof)
         return {"session": s.token, "namespace": s.namespace, "role": s.role, "open": self._tenants.open}
 
+    def _own(self, key, s: Session) -> bool:
+        """``key`` is a block of the caller's namespace (the admin's: any namespace's), and the
+        task Dask holds under it is one that namespace submitted."""
+        ns = self._catalog.namespace_of(key)
+        return ns is not None and s.sees(ns) and self._ownership.computed_by(key, ns)
+
     # -- reuse --------------------------------------------------------------------------------------
-    def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
-                      client: str | None = None) -> dict:
-        """Longest cached prefix of the caller's request, acquired for ``client`` before this returns.
+    def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int) -> dict:
+        """Longest cached prefix of the caller's request, acquired for its client before this returns.
 
         ``keys``: the request's own chain keys (full blocks), ``tokens``: its tokens (for a
         cached block that continues them only in part). Answers with how many leading tokens
         are covered and the blocks to read: keys, spans, sizes, where they are.
         """
         s = self._session(session)
+        keys = _strings("keys", keys)
+        if (not isinstance(tokens, (list, tuple)) or len(tokens) > 1 << 24
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise ValueError("tokens must be a list of token ids")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if not isinstance(root, str):
+            raise ValueError("root must be a string")
         match = self._catalog.lookup(root, keys, tokens, block_size, None if s.is_admin else s.namespace)
         usable_blocks = []
-        for b in match.blocks:  # stop at the first block Dask cannot give back
-            if not usable(self._scheduler.tasks.get(b.key)):
+        for b in match.blocks:  # stop at the first block Dask cannot give back, or not its namespace's
+            if not usable(self._scheduler.tasks.get(b.key)) or not self._own(b.key, s):
                 break
             usable_blocks.append(b)
         covered = (match.tokens if len(usable_blocks) == len(match.blocks)
                    else (usable_blocks[-1].end if usable_blocks else 0))
-        states = self._leases.acquire([b.key for b in usable_blocks], client)
+        states = self._leases.acquire([b.key for b in usable_blocks], s.client)
         blocks = []
         for b in usable_blocks:
             ts = self._scheduler.tasks[b.key]
@@ -117,11 +174,10 @@ class ClientHandlers:
             })
         return {"tokens": covered, "blocks": blocks}
 
-    def handle_acquire(self, session: str, keys: list[str], client: str | None = None) -> dict[str, str]:
+    def handle_acquire(self, session: str, keys: list[str]) -> dict[str, str]:
         """Take a reference to blocks the caller already knows by key (its own namespace only)."""
         s = self._session(session)
-        mine = [k for k in keys if k in self._catalog.blocks and s.sees(self._catalog.namespace_of(k))]
-        return self._leases.acquire(mine, client)
+        return self._leases.acquire([k for k in _strings("keys", keys) if self._own(k, s)], s.client)
 
     def handle_snapshot(self, session: str) -> dict:
         """What the planner needs: workers and their load, links, prefill profiles. No user data.
@@ -147,24 +203,55 @@ class ClientHandlers:
             "memory_weight": self._settings.memory_weight,
         }
 
-    async def handle_register_states(self, session: str, metas: list[dict], timeout: float = 10.0) -> None:
+    async def handle_register_states(self, session: str, metas: list[dict]) -> None:
         """Record the caller's states, once the scheduler knows all their blocks.
 
         The client submits block tasks over its batched stream and calls this over RPC,
-        which can overtake them; waiting here means that once an operation returns, every
-        later lookup (from any client of the namespace) sees its blocks.
+        which can overtake them; waiting here (at most ``register-wait``, woken as graphs
+        arrive) means that once an operation returns, every later lookup (from any client of
+        the namespace) sees its blocks. A state id is registered once, by one namespace; a
+        state lists only its own namespace's blocks.
         """
         s = self._session(session)
+        metas = [self._state_meta(m, s) for m in (metas if isinstance(metas, (list, tuple)) else [None])]
         keys = {k for m in metas for k in m["block_keys"]}
-        deadline = time.time() + timeout
-        while not keys <= self._scheduler.tasks.keys() and time.time() < deadline:
-            await asyncio.sleep(0.002)
+        await self.arrivals.wait_for(lambda: keys <= self._scheduler.tasks.keys(), self._settings.register_wait)
+        foreign = [k for k in keys if self._catalog.namespace_of(k) not in (None, s.namespace)]
+        if foreign:
+            raise AccessDenied(f"block {short_key(foreign[0])} is another namespace's: a state lists only its "
+                               "own namespace's blocks")
         for meta in metas:
+            if meta["state_id"] in self._catalog.states:  # registered meanwhile
+                raise AccessDenied(f"state {meta['state_id']} is already registered")
             self._catalog.add_state(meta, s.namespace)
             self._events.record(meta.get("op", "state"), s.namespace, state_id=meta["state_id"],
                                 parents=list(meta.get("parents", ())), blocks=len(meta["block_keys"]),
                                 tokens=meta.get("tokens", 0), worker=meta.get("worker"),
                                 **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
+
+    def _state_meta(self, meta, s: Session) -> dict:
+        """One state's registration, checked: its id new, its blocks the caller's namespace's."""
+        if not isinstance(meta, dict) or not isinstance(meta.get("state_id"), str) or len(meta["state_id"]) > MAX_TEXT:
+            raise ValueError("each state needs a state_id string")
+        sid = meta["state_id"]
+        st = self._catalog.states.get(sid)
+        if st is not None:
+            raise AccessDenied(f"state {sid} is already registered" + ("" if st.namespace == s.namespace
+                                                                         else " by another namespace"))
+        keys = _strings("block_keys", meta.get("block_keys"))
+        mine = s.tag
+        bad = [k for k in keys if not is_block(k) or tag_of(k) != mine]
+        if bad:
+            raise AccessDenied(f"state {sid} lists block {short_key(bad[0])}, not a block of namespace "
+                               f"{s.namespace!r}: a state lists only its own namespace's blocks")
+        for name in ("tokens", "tokens_reused", "tokens_computed"):
+            v = meta.get(name, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 31:
+                raise ValueError(f"state {sid}: {name} must be a non-negative integer")
+        for name in ("op", "worker"):
+            if meta.get(name) is not None and (not isinstance(meta[name], str) or len(meta[name]) > MAX_TEXT):
+                raise ValueError(f"state {sid}: {name} must be a short string")
+        return {**meta, "block_keys": keys, "parents": _strings("parents", meta.get("parents", []))}
 
     def handle_release_state(self, session: str, state_id: str) -> None:
         s = self._session(session)
@@ -184,17 +271,29 @@ class ClientHandlers:
 
     def handle_counters(self, session: str) -> dict:
         s = self._session(session)
-        return self._views.counters_view(None if s.is_admin else s.namespace)
+        return self._views.counters_view(None if s.is_admin else s.namespace, public=True)
 
     def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float,
                                 latency: float | None = None) -> None:
         """A calibration probe's figures, used for this namespace's plans (others keep theirs)."""
         s = self._session(session)
+        for name, v, optional in (("bandwidth", bandwidth, False), ("latency", latency, True)):
+            if (v is None and not optional) or (v is not None and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"))):
+                raise ValueError(f"{name} must be a positive, finite number, got {v!r}")
+        if not (isinstance(src, str) and isinstance(dst, str)):
+            raise ValueError("src and dst must be worker addresses")
         self._profiles.record_probe(s.namespace, src, dst, bandwidth, latency)
 
     # -- knobs that affect everyone ---------------------------------------------------------------
     def handle_configure(self, session: str, kv_budget_bytes=None, memory_weight=None, unset_budget=False) -> None:
         self._admin(session, "the KV budget and memory weight")
+        if kv_budget_bytes is not None and (isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, int)
+                                            or kv_budget_bytes < 0):
+            raise ValueError(f"kv_budget_bytes must be a non-negative integer, got {kv_budget_bytes!r}")
+        if memory_weight is not None and (isinstance(memory_weight, bool) or not isinstance(memory_weight, (int, float))
+                                          or not 0 <= memory_weight < float("inf")):
+            raise ValueError(f"memory_weight must be a non-negative, finite number, got {memory_weight!r}")
         if kv_budget_bytes is not None or unset_budget:
             self._settings.kv_budget_bytes = kv_budget_bytes
         if memory_weight is not None:
@@ -205,8 +304,8 @@ class ClientHandlers:
         self._admin(session, "forced eviction")
         return self._budget.enforce(force=True)
 
-    def handle_drop(self, session: str, client: str | None = None) -> int:
-        """Before a cluster closes: the cache lets go of every block, and ``client`` of every key.
+    def handle_drop(self, session: str) -> int:
+        """Before a cluster closes: the cache lets go of every block, and the caller's client of every key.
 
         Workers then leave holding nothing, instead of Dask reporting each cached block as
         lost. Admin only: it empties every tenant's cache. Returns how many blocks went.
@@ -214,8 +313,8 @@ class ClientHandlers:
         s = self._admin(session, "dropping the whole KV cache")
         stimulus = f"kv-drop-{time.time()}"
         dropped = self._lifecycle.drop_cache(stimulus)
-        cs = self._scheduler.clients.get(client) if client else None
+        cs = self._scheduler.clients.get(s.client)
         if cs is not None:
-            di.unwant(self._scheduler, [ts.key for ts in cs.wants_what], client, stimulus)
-        self._events.record("drop", None, blocks=dropped, client=client, by=s.namespace)
+            di.unwant(self._scheduler, [ts.key for ts in cs.wants_what], s.client, stimulus)
+        self._events.record("drop", None, blocks=dropped, by=s.namespace)
         return dropped

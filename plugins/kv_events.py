@@ -55,7 +55,9 @@ class EventLog:
         out = out[-last:] if last else out
         return [public_event(e) for e in out] if public else [dict(e) for e in out]
 
-    def decisions(self, namespace: str | None = None, last: int | None = None) -> list[dict]:
-        """The decisions ``namespace`` may see, oldest first (``last``: only the newest so many)."""
-        out = [dict(d) for d in self._decisions if _visible(d, namespace)]
-        return out[-last:] if last else out
+    def decisions(self, namespace: str | None = None, last: int | None = None, public: bool = False) -> list[dict]:
+        """The decisions ``namespace`` may see, oldest first (``last``: only the newest so many);
+        ``public``: with keys cut short."""
+        out = [d for d in self._decisions if _visible(d, namespace)]
+        out = out[-last:] if last else out
+        return [public_event(d) if public else dict(d) for d in out]

@@ -22,6 +22,7 @@ from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_budget import BudgetEnforcer
 from .kv_events import EventLog
+from .kv_notes import ComputeNote
 from .kv_queue import QueueTracker
 
 
@@ -37,10 +38,13 @@ class Locality:
         self._events = events  # placement notes, decisions, transfers, recomputes
 
     # -- a new task -------------------------------------------------------------------------------
-    def place(self, ts, note: dict, namespace: str | None) -> None:
-        """Restrict a KV-consuming task to the plan's worker, or to where its blocks live."""
-        reads = note.get("reads", ())
-        target = note.get("target")
+    def place(self, ts, note: ComputeNote, namespace: str | None) -> None:
+        """Restrict a KV-consuming task to the plan's worker, or to where its blocks live.
+
+        Only the blocks it reads of its own namespace count: their reuse and last access
+        order eviction, so a task may not touch another tenant's."""
+        reads = [k for k in note.reads if self._catalog.namespace_of(k) == namespace]
+        target = note.target
         if target is None:
             held: dict[str, int] = defaultdict(int)
             for k in reads:
@@ -48,31 +52,29 @@ class Locality:
                 for ws in (dts.who_has or ()) if dts is not None else ():
                     held[ws.address] += dts.get_nbytes()
             target = max(sorted(held), key=held.get) if held else None
-        if self._budget.hold(ts, target, note.get("kv_out", 0), namespace, note.get("gang"), note.get("gang_size", 1)):
+        if self._budget.hold(ts, target, note.kv_out, namespace, note.gang, note.gang_size):
             pass  # the budget decides when (and whether) it goes to ``target``: see kv_budget
         elif target is not None and target in self._scheduler.workers:
             # Strict while the worker lives (no work stealing); loosened if it dies.
             di.pin(self._scheduler, ts, target)
         for k in reads:
             self._catalog.touch(k)
-        if note.get("predicted_s") is not None:
-            self._queue.expect(ts.key, target, float(note["predicted_s"]))
-        op = note.get("op", "compute")
-        self._events.record(op + "-task", namespace, key=str(ts.key), worker=target, state_id=note.get("state_id"),
+        if note.predicted_s is not None:
+            self._queue.expect(ts.key, target, note.predicted_s)
+        self._events.record(note.op + "-task", namespace, key=str(ts.key), worker=target, state_id=note.state_id,
                             reads=len(reads))
-        decision = note.get("decision")
-        if decision and note.get("first"):  # a destination pays once, whatever its branch count
-            self._record_decision(decision, namespace, reads, note.get("state_id"))
+        if note.decision and note.first:  # a destination pays once, whatever its branch count
+            self._record_decision(note.decision, namespace, reads, note.state_id)
 
     def _record_decision(self, decision: dict, namespace: str | None, reads, state_id) -> None:
         self._events.record_decision(decision, namespace)
         if decision.get("action") == "transfer":
-            self._catalog.count("transfers")
-            self._catalog.count("bytes_transferred", decision.get("nbytes", 0))
+            self._catalog.count("transfers", namespace=namespace)
+            self._catalog.count("bytes_transferred", decision.get("nbytes") or 0, namespace)
             self._events.record("transfer", namespace, src=decision.get("src"), dst=decision.get("dst"),
                                 nbytes=decision.get("nbytes"), keys=list(reads), state_id=state_id)
         elif decision.get("action") == "recompute":
-            self._catalog.count("recomputes")
+            self._catalog.count("recomputes", namespace=namespace)
             self._events.record("recompute", namespace, reason="cost-model", dst=decision.get("dst"),
                                 tokens=decision.get("missing_tokens"), state_id=state_id)
 

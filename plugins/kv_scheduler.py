@@ -29,7 +29,11 @@ object with its own state (built at ``start``, given the parts it calls):
   Dask's event log under ``EVENT_TOPIC`` (``client.get_events("daskflow-kv")``) with keys
   cut short;
 * ``views`` (``kv_views``) and ``client_api`` (``kv_client_api``): what clients (per tenant,
-  ``tenants``) and the dashboard read, and the ``kv_*`` RPCs.
+  ``tenants``) and the dashboard read, and the ``kv_*`` RPCs;
+* ``ownership`` (``kv_ownership``): every new task under a KV key passes here before Dask
+  schedules it - only its own namespace's session may compute a key, its annotation is
+  checked (``kv_notes``), and what fails is refused before anything of it runs;
+* ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself.
 
 And an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
 their replicas are placed on purpose (the budget, not the AMM, decides when they go).
@@ -51,7 +55,8 @@ from tornado.ioloop import PeriodicCallback
 
 from daskflow_kv import config
 from daskflow_kv import dask_internals as di
-from daskflow_kv.keys import CACHE_CLIENT, PLUGIN_NAME, PREFILL_TOPIC, REPORT_RPC, is_block, is_placed
+from daskflow_kv.keys import (BIND_OP, CACHE_CLIENT, PLUGIN_NAME, PREFILL_TOPIC, REPORT_HELLO_RPC, REPORT_OP,
+                              is_block, is_placed)
 from daskflow_kv.policy.cost_model import PrefillSample
 from daskflow_kv.state.catalog import KVCatalog
 
@@ -63,8 +68,11 @@ from .kv_events import EventLog
 from .kv_leases import LeaseBook
 from .kv_lifecycle import BlockLifecycle
 from .kv_locality import Locality
+from .kv_notes import BlockNote, ComputeNote
+from .kv_ownership import KeyOwnership
 from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
+from .kv_reports import WorkerReports
 from .kv_settings import KVSettings
 from .kv_tiers import TierTracker
 from .kv_usage import KVUsage
@@ -107,8 +115,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
     settings: KVSettings  # the knobs; parts read them at each decision (kv_configure changes them)
     # -- built at start, in the scheduler's process ----------------------------------------------
     scheduler: Scheduler | None  # the Scheduler this plugin runs in (None until started)
-    tenants: TenantRegistry  # namespaces, secrets, sessions (from the scheduler's own dask.config)
+    tenants: TenantRegistry  # namespaces, secrets, quotas, sessions (from the scheduler's own dask.config)
     catalog: KVCatalog  # blocks and states, the prefix index, the counters
+    ownership: KeyOwnership  # which namespace may compute each KV key; refuses the rest
     event_log: EventLog  # lifecycle events and cost-model decisions
     tiers: TierTracker  # spilled and persisted blocks, from the workers' reports
     leases: LeaseBook  # acquisition of looked-up blocks, and their leases
@@ -120,6 +129,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     lifecycle: BlockLifecycle  # cataloged blocks through Dask's transitions
     views: KVViews  # catalog rows and counters, per namespace or the operator's
     client_api: ClientHandlers  # the kv_* RPCs
+    reports: WorkerReports  # workers' reports, each from the worker itself
 
     def __init__(
         self,
@@ -152,27 +162,32 @@ class KVSchedulerPlugin(SchedulerPlugin):
         s, settings = scheduler, self.settings
         self.scheduler = s
         # Read here, in the scheduler's process: never from a plugin object a client pickled.
-        self.tenants = TenantRegistry(config.get("tenants"))
+        self.tenants = TenantRegistry(config.get("tenants"), settings.session_ttl)
         self.catalog = KVCatalog()
+        self.ownership = KeyOwnership(s, self.tenants, self.catalog)
         self.event_log = EventLog(s)
         self.tiers = TierTracker(self.catalog, self.event_log)
+        self.reports = WorkerReports(s, self._accept_report)
         self.leases = LeaseBook(s, self.catalog, settings)
-        self.usage = KVUsage(s, self.catalog, self.tiers, self.leases)
-        self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log)
+        self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
+        self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
         self.queue = QueueTracker(s, self.budget.is_held)
         self.profiles = ProfileBook(s, settings.prefill_samples)
         self.locality = Locality(s, self.catalog, self.budget, self.queue, self.event_log)
         self.lifecycle = BlockLifecycle(s, self.catalog, self.budget, self.event_log)
         self.views = KVViews(s, settings, self.catalog, self.tiers, self.usage, self.event_log, self.tenants)
-        self.client_api = ClientHandlers(s, settings, self.tenants, self.catalog, self.leases, self.locality,
-                                         self.budget, self.usage, self.queue, self.profiles, self.lifecycle,
-                                         self.event_log, self.views)
+        self.client_api = ClientHandlers(s, settings, self.tenants, self.catalog, self.ownership, self.leases,
+                                         self.locality, self.budget, self.usage, self.queue, self.profiles,
+                                         self.lifecycle, self.event_log, self.views)
 
     async def start(self, scheduler) -> None:
         self._build(scheduler)
         di.ensure_client(scheduler, CACHE_CLIENT)
         di.add_handlers(scheduler, self.client_api.handlers())
-        di.add_handlers(scheduler, {REPORT_RPC: self.handle_worker_report})  # from workers, no session
+        di.add_handlers(scheduler, {REPORT_HELLO_RPC: self.reports.hello})  # a worker asks for its token
+        # On the sender's own stream (before any worker plugin or client could send them):
+        di.add_stream_handlers(scheduler, {REPORT_OP: self.reports.report, BIND_OP: self.handle_bind})
+        di.guard_data_handlers(scheduler, self.ownership.refused_data)  # KV keys only from their tasks
         di.replace_amm_policy(scheduler, ReduceReplicas, KVAwareReduceReplicas())
         # What a KV cluster needs besides this plugin, installed from here whatever started the
         # cluster: the workers' serializers, reports and hand-off channel, and the KV page.
@@ -198,41 +213,51 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     # -- Dask's hooks, routed to the parts ------------------------------------------------------
     def update_graph(self, scheduler, *, client, keys, tasks, annotations, priority, stimulus_id, **kwargs) -> None:
+        notes = annotations.get("kv", {})
+        # Whose each new KV task is comes from the client stream the graph came on (never from
+        # the graph); what may not run is refused here, before Dask schedules anything.
+        admitted = self.ownership.admit_graph(tasks, notes, stimulus_id)
+        # Read here, needed nowhere else: workers never get them (nor Dask's task pages).
+        di.strip_annotation(scheduler, [scheduler.tasks[k] for k in notes if k in scheduler.tasks], "kv")
         published = []
-        for key, note in annotations.get("kv", {}).items():
-            ts = scheduler.tasks.get(key)
-            if ts is None or not isinstance(note, dict):
-                continue
-            # The session token in the annotation says whose task it is (it cannot be forged;
-            # a client id or a namespace string could). No session: runs, but is not cataloged.
-            session = self.tenants.find(note.get("session"))
-            if note.get("role") == "block" and session is not None:
-                self.catalog.add_block(note["meta"], session.namespace)
+        for key, a in admitted.items():
+            namespace = None if a.session is None else a.session.namespace
+            if isinstance(a.note, BlockNote) and a.session is not None:
+                self.catalog.add_block(a.note.meta(), namespace)
                 published.append(key)
-            elif note.get("role") == "compute":
-                self.locality.place(ts, note, None if session is None else session.namespace)
+            elif isinstance(a.note, ComputeNote):
+                self.locality.place(scheduler.tasks[key], a.note, namespace)
         if published:  # the cache keeps them past the workflow that made them
             di.want(scheduler, published, CACHE_CLIENT)
+        self.client_api.arrivals.note()  # states waiting for these blocks may register now
         # Planned for a worker that died since the client looked: let Dask place them.
-        self.locality.loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if is_placed(k))
+        self.locality.loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if is_placed(k) and k in scheduler.tasks)
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         self.budget.transition(key, start, finish)
         self.queue.transition(key, start, finish)
         self.lifecycle.transition(key, start, finish)
+        if finish == "forgotten":
+            self.ownership.forget(key)
 
     def log_event(self, topic, msg) -> None:
-        if topic != PREFILL_TOPIC or not isinstance(msg, dict) or not msg.get("new_tokens"):
+        """Prefill timings a worker logged on its own stream (any client may log to the topic)."""
+        if topic != PREFILL_TOPIC or not isinstance(msg, dict) or not self.reports.is_worker_stream(msg.get("worker")):
             return
-        self.profiles.add_sample(msg["worker"], PrefillSample(msg["new_tokens"], msg.get("prefix_tokens", 0),
-                                                              msg["seconds"]))
+        sample = _prefill_sample(msg)
+        if sample is None:
+            return
+        self.profiles.add_sample(msg["worker"], sample)
         if msg.get("op") != "calibrate":
-            self.catalog.count("tokens_computed", msg["new_tokens"])
+            namespace = self.tenants.namespace_of_tag(msg.get("tag"))  # the tag of the task that prefilled
+            self.catalog.count("tokens_computed", sample.new_tokens, namespace)
             # A batch reads one prefix for k branches: it reports the k-fold reuse separately.
-            self.catalog.count("tokens_reused", msg.get("tokens_reused", msg.get("prefix_tokens", 0)))
+            reused = msg.get("tokens_reused", sample.prefix_tokens)
+            self.catalog.count("tokens_reused", reused if _count(reused) else 0, namespace)
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         # Runs after Dask's own transitions for the loss.
+        self.reports.forget_worker(worker)
         self.profiles.forget_worker(worker)
         self.tiers.forget_worker(worker)
         self.budget.forget_worker(worker)
@@ -247,8 +272,15 @@ class KVSchedulerPlugin(SchedulerPlugin):
     def remove_client(self, scheduler, client: str) -> None:
         self.tenants.end_client(client)
 
-    def handle_worker_report(self, worker: str, spilled: list[str] | None = None, events=()) -> None:
-        """``kv_worker_report``: a worker's spilled blocks and store I/O (see kv_tiers)."""
+    def handle_bind(self, nonce=None, client=None, **ignored) -> None:
+        """``BIND_OP`` on a client's stream: the login challenge it answers (``tenants``). Never raises."""
+        try:
+            self.tenants.bind(nonce, client, di.current_connection())
+        except Exception:  # noqa: BLE001 -- a raise would end the sender's stream
+            logger.exception("daskflow-kv: bind failed")
+
+    def _accept_report(self, worker: str, spilled: list[str] | None, events: list[dict]) -> None:
+        """A worker's own report (``kv_reports``): its spilled blocks and store I/O (see kv_tiers)."""
         if worker in self.scheduler.workers and self.tiers.report(worker, spilled, events):
             self.budget.note_change()  # spilled blocks no longer count against the budget
 
@@ -282,6 +314,19 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     def catalog_table(self):
         return self.views.catalog_table()
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40
+
+
+def _prefill_sample(msg: dict) -> PrefillSample | None:
+    """The sample a prefill event reports, if its numbers are sane (tokens counts, finite seconds)."""
+    n, p, t = msg.get("new_tokens"), msg.get("prefix_tokens", 0), msg.get("seconds")
+    if not (_count(n) and n > 0 and _count(p) and isinstance(t, (int, float)) and not isinstance(t, bool)
+            and 0 < t < 1e6):
+        return None
+    return PrefillSample(n, p, float(t))
 
 
 @click.command()

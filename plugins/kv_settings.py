@@ -21,6 +21,8 @@ class KVSettings:
     lease_seconds: float  # s a looked-up block is kept from eviction, until its reader holds it
     admission_patience: float  # s a parked task waits when nothing else runs on its worker
     prefill_samples: int  # prefill timings kept per worker for the profile fit
+    session_ttl: float  # s a session lives unused
+    register_wait: float  # s kv_register_states waits for its blocks' tasks to arrive
 
     @classmethod
     def from_config(cls, kv_budget_bytes: int | str | None = None, memory_weight: float | None = None,
@@ -34,4 +36,6 @@ class KVSettings:
             lease_seconds=config.get_seconds("scheduler.lease", lease_seconds),
             admission_patience=config.get_seconds("scheduler.admission-patience"),
             prefill_samples=int(config.get("scheduler.prefill-samples")),
+            session_ttl=config.get_seconds("scheduler.session-ttl"),
+            register_wait=config.get_seconds("scheduler.register-wait"),
         )

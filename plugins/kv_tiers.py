@@ -9,8 +9,9 @@ moved it to disk; the persistent store is not Dask's at all. Workers tell the pl
 * ``events``: store writes finished (the block is persisted), loads, corrupt objects.
 
 The budget counts only blocks in memory (``spilled_on``); the catalog shows each block's
-tier. The RPC is open to workers (they have no tenant session): Dask trusts every
-participant anyway (see docs/security.md), and a report can only mislabel tiers.
+tier. Reports reach this part only from the worker they are about (``kv_reports``); store
+counters go to the namespace whose key a write names (loads, without keys, count as the
+cluster's).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from daskflow_kv.state.catalog import KVCatalog
 from .kv_events import EventLog
 
 
+def _count(e: dict, name: str) -> int:
+    """A non-negative count from a report (anything else counts as 0)."""
+    v = e.get(name)
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 60 else 0
+
+
 class TierTracker:
     __slots__ = ("_catalog", "_events", "_spilled")
 
@@ -27,6 +34,10 @@ class TierTracker:
         self._catalog = catalog  # marks persisted blocks, counts store I/O
         self._events = events  # store failures
         self._spilled: dict[str, frozenset] = {}  # worker -> KV block keys on its spill disk (its last report)
+
+    def _namespace(self, e: dict) -> str | None:
+        key = e.get("key")
+        return self._catalog.namespace_of(key) if isinstance(key, str) else None
 
     def report(self, worker: str, spilled: list[str] | None = None, events=()) -> bool:
         """Take a worker's report. -> whether its spilled blocks changed (so did its KV in memory)."""
@@ -40,16 +51,16 @@ class TierTracker:
         return changed
 
     def _store_event(self, worker: str, e: dict) -> None:
-        op = e.get("op")
+        op, ns = e.get("op"), self._namespace(e)
         if op == "write" and e.get("written"):
-            self._catalog.count("store_writes")
-            self._catalog.count("store_bytes_written", int(e.get("nbytes") or 0))
+            self._catalog.count("store_writes", namespace=ns)
+            self._catalog.count("store_bytes_written", _count(e, "nbytes"), ns)
         if op == "write":  # written now, or there already: either way a copy is stored
             self._catalog.mark_persisted(e.get("key"))
         elif op == "load":
-            self._catalog.count("store_loads", int(e.get("blocks") or 0))
-            self._catalog.count("store_bytes_read", int(e.get("nbytes") or 0))
-            self._catalog.count("store_corrupt", int(e.get("corrupt") or 0))
+            self._catalog.count("store_loads", _count(e, "blocks"), ns)
+            self._catalog.count("store_bytes_read", _count(e, "nbytes"), ns)
+            self._catalog.count("store_corrupt", _count(e, "corrupt"), ns)
             if e.get("corrupt"):
                 self._events.record("store-corrupt", None, worker=worker)
         elif op == "write-failed":

@@ -5,26 +5,42 @@ a block key outside the catalog is nobody's. A block cut from an output still in
 on the same worker shares its tensors, and a block the worker spilled to disk is not in
 memory: neither adds to the worker's use. A block is pinned (never evicted) while it is
 leased, read by a waiting or running task, or held by a live state.
+
+Each KV byte has an owner: the namespace whose task computed its key (``kv_ownership``),
+for the tenants' quotas (``policy.admission``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from daskflow_kv.keys import CACHE_CLIENT, holds_kv, is_block, is_output
 from daskflow_kv.policy.eviction import BlockUsage
 from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_leases import LeaseBook
+from .kv_ownership import KeyOwnership
 from .kv_tiers import TierTracker
 
 
-class KVUsage:
-    __slots__ = ("_scheduler", "_catalog", "_tiers", "_leases")
+class WorkerUsage(NamedTuple):
+    """One worker's KV in memory, as the budget sees it."""
 
-    def __init__(self, scheduler, catalog: KVCatalog, tiers: TierTracker, leases: LeaseBook):
+    used: int  # KV bytes held in memory
+    blocks: list[BlockUsage]  # the cataloged blocks among them, for eviction
+    by_owner: dict[str | None, int]  # namespace -> its share of ``used``
+
+
+class KVUsage:
+    __slots__ = ("_scheduler", "_catalog", "_tiers", "_leases", "_ownership")
+
+    def __init__(self, scheduler, catalog: KVCatalog, tiers: TierTracker, leases: LeaseBook,
+                 ownership: KeyOwnership):
         self._scheduler = scheduler  # who has what, and how big
         self._catalog = catalog  # block entries: reuse, last access, chain
         self._tiers = tiers  # spilled blocks do not count
         self._leases = leases  # leased blocks are pinned
+        self._ownership = ownership  # whose each KV key is
 
     def is_kv(self, key) -> bool:
         """Cataloged blocks, replicas and outputs (a block key outside the catalog is nobody's)."""
@@ -54,20 +70,23 @@ class KVUsage:
             return False
         return any(cs.client_key != CACHE_CLIENT for cs in ts.who_wants or ())
 
-    def usage(self, ws, now: float) -> tuple[int, list[BlockUsage]]:
-        """(KV bytes held, evictable view of the cataloged ones) on one worker."""
-        used, usage = 0, []
+    def usage(self, ws, now: float) -> WorkerUsage:
+        """KV bytes held on one worker, the evictable view of the cataloged ones, and whose."""
+        used, usage, by_owner = 0, [], {}
         for ts in ws.has_what:
             if not self.is_kv(ts.key):
                 continue
-            used += self.held_bytes(ts, ws)
+            held = self.held_bytes(ts, ws)
+            used += held
             e = self._catalog.blocks.get(ts.key)
+            owner = e.namespace if e is not None else self._ownership.owner(ts.key)
+            by_owner[owner] = by_owner.get(owner, 0) + held
             # Replicas go by themselves once read; only blocks are evicted, and only those in
             # memory: evicting a spilled one frees disk, not the memory the budget is about.
             if e is not None and not self._tiers.spilled_on(ts.key, ws.address):
                 usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
-                                        self.pinned(ts, now), e.parent, e.start))
-        return used, usage
+                                        self.pinned(ts, now), e.parent, e.start, e.namespace))
+        return WorkerUsage(used, usage, by_owner)
 
     def incoming(self, ts, worker: str) -> int:
         """KV bytes ``ts`` will fetch to ``worker`` (its KV inputs held elsewhere)."""

@@ -2,7 +2,9 @@
 
 The client API (``kv_client_api``) hands a tenant its namespace's view; the dashboard
 shows the operator's (``operator_*``): every namespace, and - with tenants configured -
-keys cut short, since a full block key is a capability to read the block's K/V.
+keys cut short, since a full block key is a capability to read the block's K/V. A
+tenant's events and decisions show keys cut short too (``kv_events.public_event``); its
+counters are its own namespace's, the operator's are every namespace's added up.
 """
 
 from __future__ import annotations
@@ -50,14 +52,14 @@ class KVViews:
         return self._catalog.rows(who_has, refcount, cached, namespace, tiers)
 
     def counters_view(self, namespace: str | None = None, public: bool = False) -> dict:
-        """Counters (cluster-wide), per-worker KV bytes, and ``namespace``'s decisions and events
-        (``public``: their keys cut short)."""
-        c = dict(self._catalog.counters)
+        """``namespace``'s counters (None: every namespace's, added up), per-worker KV bytes,
+        and its decisions and events (``public``: keys cut short)."""
+        c = dict(self._catalog.counters if namespace is None else self._catalog.counters_of(namespace))
         total = c["tokens_reused"] + c["tokens_computed"]
         c["reuse_ratio"] = c["tokens_reused"] / total if total else 0.0
         return {
             "counters": c,
-            "decisions": self._events.decisions(namespace, last=SHOWN_DECISIONS),
+            "decisions": self._events.decisions(namespace, last=SHOWN_DECISIONS, public=public),
             "kv_bytes": self._usage.bytes_by_worker(),
             "kv_budget_bytes": self._settings.kv_budget_bytes,
             "events": self._events.events(namespace, last=SHOWN_EVENTS, public=public),
@@ -76,7 +78,8 @@ class KVViews:
         return self.counters_view(public=not self._tenants.open)
 
     def operator_events(self) -> list[dict]:
-        """The whole event log, oldest first; with tenants configured, keys cut short."""
+        """The whole event log, oldest first; with tenants configured, keys cut short (as the
+        operator's catalog rows: the dashboard joins the two by key)."""
         return self._events.events(public=not self._tenants.open)
 
     def catalog_table(self):

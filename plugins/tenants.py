@@ -1,18 +1,26 @@
-"""Who is calling the KV plugin: namespaces as authenticated tenants, with roles.
+"""Who is calling the KV plugin: namespaces as authenticated tenants, with roles and quotas.
 
 A tenant is a namespace plus a secret. The scheduler's dask.config lists them::
 
     daskflow-kv:
       tenants:
-        alice: {secret: "...", role: user}
+        alice: {secret: "...", role: user, quota: 2GiB}
         ops:   {secret: "...", role: admin}
 
-(from a YAML file or ``DASK_DASKFLOW_KV__TENANTS__ALICE__SECRET=...``; never in code). A
-client proves it holds its namespace's secret by answering a fresh challenge with an HMAC
-of it - the secret never crosses the wire - and receives a session token that it passes
-on every call and puts in the annotations of the tasks it submits. Two users share cached
-blocks only by sharing a namespace, which means holding its secret (like vLLM's
-``cache_salt``).
+(from a YAML file or ``DASK_DASKFLOW_KV__TENANTS__ALICE__SECRET=...``; never in code).
+``quota``: KV bytes per worker guaranteed to the tenant's blocks (see ``kv_budget``).
+
+Logging in binds a session to the Dask client the scheduler itself sees: the client asks
+for a challenge (``kv_challenge``), sends it back over its own batched stream (``BIND_OP``,
+a stream handler: Dask runs it on the task that serves that client's connection, which a
+message cannot forge - see ``dask_internals.current_connection``), then answers it with an
+HMAC of its secret (``kv_login``; the secret never crosses the wire). The session holds
+that connection: the tasks the client submits over it are the session's (the plugin finds
+a task's session by the connection its graph came on, never by a token in the graph), and
+the session ends when the connection does. A session expires after ``session-ttl``
+without use; a client holds at most ``MAX_SESSIONS_PER_CLIENT``; challenges are few
+(``MAX_PENDING_NONCES``) and short-lived (``NONCE_TTL``). Two users share cached blocks
+only by sharing a namespace, which means holding its secret (like vLLM's ``cache_salt``).
 
 With no tenants configured the scheduler is one trust domain ("open"): any client may
 name any namespace and gets the admin role, as before tenancy existed.
@@ -20,15 +28,24 @@ name any namespace and gets the admin role, as before tenancy existed.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from daskflow_kv import dask_internals as di
+from daskflow_kv import validation
+from daskflow_kv.keys import namespace_tag, tag_of
 
 ROLES = ("user", "admin")
-_NONCE_TTL = 60.0  # seconds a challenge stays answerable
+NONCE_TTL = 60.0  # s a challenge stays answerable
+MAX_PENDING_NONCES = 1024  # challenges not answered yet; the oldest goes first
+MAX_SESSIONS_PER_CLIENT = 16  # live sessions one Dask client may hold; its oldest ends first
+BIND_WAIT = 10.0  # s a login waits for its challenge to arrive on the client's stream
 
 
 def login_proof(secret: str, nonce: str, namespace: str) -> str:
@@ -42,72 +59,168 @@ class AccessDenied(PermissionError):
 
 
 @dataclass(frozen=True, slots=True)
+class Tenant:
+    secret: str  # proves the namespace (HMAC of a challenge); seeds its block keys client-side
+    role: str  # user | admin
+    quota: int  # KV bytes per worker no other tenant's task may evict it below (0: none)
+
+
+@dataclass(slots=True, eq=False)
 class Session:
-    token: str  # random, 128 bits: the caller's capability for this session
+    token: str  # random, 128 bits: the caller's capability for this session's RPCs
     namespace: str  # the tenant it acts for
     role: str  # user | admin
-    client: str | None  # the Dask client id that logged in (sessions end with it)
+    client: str  # the Dask client id it was bound with (its keys are wanted for that client)
+    connection: object  # the client's stream as the scheduler serves it (dask_internals.current_connection)
+    expires: float = 0.0  # time.monotonic() after which it is gone unless used again
 
     @property
     def is_admin(self) -> bool:
         return self.role == "admin"
+
+    @property
+    def tag(self) -> str:
+        return namespace_tag(self.namespace)
 
     def sees(self, namespace: str | None) -> bool:
         """May this session see (or act on) something that belongs to ``namespace``?"""
         return self.is_admin or namespace == self.namespace
 
 
+@dataclass(slots=True, eq=False)
+class Challenge:
+    expires: float  # time.monotonic() after which it cannot be answered
+    bound: asyncio.Event = field(default_factory=asyncio.Event)  # set when it came back on a client stream
+    client: str | None = None  # the client id that stream serves
+    connection: object = None  # that stream
+
+
+def _tenant(name, spec) -> Tenant:
+    spec = spec or {}
+    secret, role = spec.get("secret"), spec.get("role", "user")
+    if not isinstance(secret, str) or not secret:
+        raise ValueError(f"daskflow-kv.tenants.{name}: needs a non-empty secret")
+    if role not in ROLES:
+        raise ValueError(f"daskflow-kv.tenants.{name}: role must be one of {ROLES}, not {role!r}")
+    quota = spec.get("quota")
+    quota = 0 if quota is None else validation.byte_size(f"daskflow-kv.tenants.{name}.quota", quota, minimum=0)
+    return Tenant(secret, role, quota)
+
+
 class TenantRegistry:
-    def __init__(self, tenants: Mapping[str, Mapping] | None = None):
-        self._tenants = {}  # namespace -> (secret, role)
-        for name, spec in (tenants or {}).items():
-            secret, role = (spec or {}).get("secret"), (spec or {}).get("role", "user")
-            if not isinstance(secret, str) or not secret:
-                raise ValueError(f"daskflow-kv.tenants.{name}: needs a non-empty secret")
-            if role not in ROLES:
-                raise ValueError(f"daskflow-kv.tenants.{name}: role must be one of {ROLES}, not {role!r}")
-            self._tenants[str(name)] = (secret, role)
-        self._nonces: dict[str, float] = {}  # nonce -> expiry
-        self._sessions: dict[str, Session] = {}
+    def __init__(self, tenants: Mapping[str, Mapping] | None = None, session_ttl: float = 3600.0):
+        self._tenants: dict[str, Tenant] = {str(n): _tenant(n, spec) for n, spec in (tenants or {}).items()}
+        self._tags: dict[str, str] = {}  # namespace tag -> namespace (configured; open: those logged in)
+        for name in self._tenants:
+            other = self._tags.setdefault(namespace_tag(name), name)
+            if other != name:
+                raise ValueError(f"daskflow-kv.tenants: {other!r} and {name!r} have the same key tag; rename one")
+        self._session_ttl = float(session_ttl)  # s a session lives without use
+        self._challenges: OrderedDict[str, Challenge] = OrderedDict()  # nonce -> challenge, oldest first
+        self._sessions: dict[str, Session] = {}  # token -> session
 
     @property
     def open(self) -> bool:
         """No tenants configured: one trust domain, every session an admin."""
         return not self._tenants
 
+    def namespace_of_tag(self, tag: str | None) -> str | None:
+        """The namespace whose keys carry ``tag`` (None: no tenant's)."""
+        return None if tag is None else self._tags.get(tag)
+
+    def namespace_of_key(self, key) -> str | None:
+        return self.namespace_of_tag(tag_of(key))
+
+    def quotas(self) -> dict[str, int]:
+        """Namespace -> KV bytes per worker guaranteed to it (tenants with a quota)."""
+        return {n: t.quota for n, t in self._tenants.items() if t.quota}
+
+    # -- logging in -------------------------------------------------------------------------------
     def challenge(self) -> str:
-        now = time.time()
-        self._nonces = {n: t for n, t in self._nonces.items() if t > now}
+        now = time.monotonic()
+        while self._challenges and (len(self._challenges) >= MAX_PENDING_NONCES
+                                    or next(iter(self._challenges.values())).expires <= now):
+            self._challenges.popitem(last=False)  # expired, or the oldest when full
         nonce = secrets.token_hex(16)
-        self._nonces[nonce] = now + _NONCE_TTL
+        self._challenges[nonce] = Challenge(now + NONCE_TTL)
         return nonce
 
-    def login(self, namespace: str, nonce: str | None = None, proof: str | None = None,
-              client: str | None = None) -> Session:
-        """A session for ``namespace`` if ``proof`` answers ``nonce`` with its secret."""
+    def bind(self, nonce, client, connection) -> bool:
+        """The challenge ``nonce`` came back on ``connection`` (a client's stream). Only once."""
+        c = self._challenges.get(nonce) if isinstance(nonce, str) else None
+        if c is None or c.bound.is_set() or c.expires <= time.monotonic() or not isinstance(client, str):
+            return False
+        c.client, c.connection = client, connection
+        c.bound.set()
+        return True
+
+    async def login(self, namespace: str, nonce: str | None = None, proof: str | None = None) -> Session:
+        """A session for ``namespace`` if ``proof`` answers ``nonce`` with its secret and the
+        nonce came back on a client's stream (the client the session is bound to)."""
+        c = self._challenges.get(nonce) if isinstance(nonce, str) else None
+        if c is not None and not c.bound.is_set():
+            try:
+                await asyncio.wait_for(c.bound.wait(), max(0.0, min(BIND_WAIT, c.expires - time.monotonic())))
+            except asyncio.TimeoutError:
+                pass
+        c = self._challenges.pop(nonce, None) if isinstance(nonce, str) else None  # one answer per challenge
+        if c is None or not c.bound.is_set() or not di.connection_open(c.connection):
+            raise AccessDenied("login refused: the challenge expired or never came back on this client's own "
+                               "stream (log in with daskflow_kv.runtime.session.login)")
+        if not isinstance(namespace, str):
+            raise AccessDenied(f"login refused: a namespace is a string, not {namespace!r}")
         if self.open:
             role = "admin"
+            self._tags.setdefault(namespace_tag(namespace), namespace)
         else:
-            expiry = self._nonces.pop(nonce, 0.0) if nonce else 0.0  # one answer per challenge
             known = self._tenants.get(namespace)
-            expected = login_proof(known[0], nonce, namespace) if (known and expiry > time.time()) else None
+            expected = login_proof(known.secret, nonce, namespace) if known else None
             if expected is None or not isinstance(proof, str) or not hmac.compare_digest(expected, proof):
                 # One message for every failure: an unknown namespace looks like a wrong secret.
                 raise AccessDenied(f"login to namespace {namespace!r} refused: unknown namespace, wrong secret "
                                    "or expired challenge (set daskflow-kv.secret to the namespace's secret)")
-            role = known[1]
-        session = Session(secrets.token_hex(16), namespace, role, client)
+            role = known.role
+        session = Session(secrets.token_hex(16), namespace, role, c.client, c.connection,
+                          time.monotonic() + self._session_ttl)
+        mine = [s for s in self._sessions.values() if s.client == session.client]
+        for old in sorted(mine, key=lambda s: s.expires)[: max(0, len(mine) + 1 - MAX_SESSIONS_PER_CLIENT)]:
+            self._sessions.pop(old.token, None)
         self._sessions[session.token] = session
         return session
 
-    def session(self, token: str | None) -> Session:
-        session = self._sessions.get(token) if isinstance(token, str) else None
+    # -- sessions ---------------------------------------------------------------------------------
+    def _live(self, session: Session | None, now: float) -> bool:
         if session is None:
-            raise AccessDenied("no valid daskflow-kv session: the runtime must log in first (KVRuntime does)")
+            return False
+        if session.expires > now and di.connection_open(session.connection):
+            return True
+        self._sessions.pop(session.token, None)
+        return False
+
+    def session(self, token: str | None) -> Session:
+        """The live session ``token`` names (its life is extended), or AccessDenied."""
+        now = time.monotonic()
+        session = self._sessions.get(token) if isinstance(token, str) else None
+        if not self._live(session, now):
+            raise AccessDenied("no valid daskflow-kv session: the runtime must log in first (KVRuntime does), "
+                               "and a session ends with its client or after daskflow-kv.scheduler.session-ttl unused")
+        session.expires = now + self._session_ttl
         return session
 
-    def find(self, token: str | None) -> Session | None:
-        return self._sessions.get(token) if isinstance(token, str) else None
+    def on_connection(self, connection) -> list[Session]:
+        """The live sessions bound to ``connection`` (the client stream a graph came on)."""
+        now = time.monotonic()
+        return [s for s in list(self._sessions.values()) if s.connection is connection and self._live(s, now)]
+
+    def session_for(self, connection, key) -> Session | None:
+        """The session on ``connection`` whose namespace owns ``key`` (its tag), refreshed; None
+        if none does. An untagged key is nobody's."""
+        tag = tag_of(key)
+        for s in self.on_connection(connection):
+            if tag is not None and s.tag == tag:
+                s.expires = time.monotonic() + self._session_ttl
+                return s
+        return None
 
     def end_client(self, client: str) -> int:
         """Drop the sessions of a Dask client that disconnected. -> how many."""

@@ -10,10 +10,14 @@
 * what the persistent store did here (writes finished, loads, corrupt objects), so the
   catalog marks persisted blocks and the counters add up.
 
-Reports go every ``daskflow-kv.workers.report-interval``, only when something changed, as
-one RPC to the scheduler plugin (``kv_worker_report``): never through Dask's event log,
-which any client reads and which would hand out full block keys. When the worker closes,
-its pending store writes are drained first (``daskflow-kv.store.flush-timeout``).
+Reports go every ``daskflow-kv.workers.report-interval``, only when something changed, on
+the worker's own batched stream (``REPORT_OP``), each with the report token the scheduler
+sent to this worker's address (``REPORT_TOKEN_RPC``; see ``kv_reports``): a report without
+it is dropped, so no other caller can speak for this worker. Never through Dask's event
+log, which any client reads and which would hand out full block keys. The plugin also
+refuses data put into this worker under a KV key without a task (``Client.scatter``;
+``dask_internals.guard_worker_data``). When the worker closes, its pending store writes
+are drained first (``daskflow-kv.store.flush-timeout``).
 
 This module is imported by the scheduler (to pickle the plugins) and must not import torch:
 what needs it is imported in ``setup``, on the worker.
@@ -28,8 +32,10 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from daskflow_kv import config
-from daskflow_kv.keys import REPORT_RPC, is_block
 from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import REPORT_HELLO_RPC, REPORT_OP, REPORT_TOKEN_RPC, is_block, is_kv, short_key
+
+from .tenants import AccessDenied
 
 logger = logging.getLogger("daskflow_kv.worker")
 
@@ -46,6 +52,12 @@ class TorchSerializationPlugin(WorkerPlugin):
         register_torch_serialization()
 
 
+def refused_data(keys) -> AccessDenied | None:
+    """KV keys enter a worker only as their task's result (see ``kv_ownership``)."""
+    ours = [k for k in keys if is_kv(k)]
+    return AccessDenied(f"data under daskflow-kv keys ({short_key(ours[0])}) is refused") if ours else None
+
+
 class KVWorkerPlugin(WorkerPlugin):
     name = "daskflow-kv-worker"
     idempotent = True  # one per worker, whichever runtime registers it
@@ -56,20 +68,40 @@ class KVWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self._io = worker_io  # the store's background writer in this process
         self._sent: list[str] | None = None  # spilled keys as last reported
+        self._token: str | None = None  # what the scheduler sent this worker; its reports carry it
+        di.guard_worker_data(worker, refused_data)
+        di.add_worker_handlers(worker, {REPORT_TOKEN_RPC: self.take_token})
         self._pc = PeriodicCallback(self.report, config.get_seconds("workers.report-interval") * 1000)
         self._pc.start()
+        worker.loop.add_callback(self._hello)
+
+    async def _hello(self) -> None:
+        try:  # the token comes to this worker's own address (take_token), not in the answer
+            await di.call_scheduler(self.worker, REPORT_HELLO_RPC, worker=self.worker.address)
+        except Exception as e:  # noqa: BLE001 -- scheduler gone or closing: nothing to report to
+            logger.debug("daskflow-kv report token request failed: %s", e)
+
+    def take_token(self, token: str | None = None) -> str:
+        """``REPORT_TOKEN_RPC``: the scheduler's token for this worker; the next report says it all."""
+        if isinstance(token, str):
+            self._token, self._sent = token, None
+            self.worker.loop.add_callback(self.report)
+        return "OK"
 
     def spilled(self) -> list[str]:
         return sorted(str(k) for k in di.spilled_keys(self.worker) if is_block(k))
 
     async def report(self) -> None:
+        if self._token is None:
+            return
         spilled = self.spilled()
         events = self._io.take_reports()
         if spilled == self._sent and not events:
             return
         try:
-            await di.call_scheduler(self.worker, REPORT_RPC, worker=self.worker.address,
-                                    spilled=None if spilled == self._sent else spilled, events=events)
+            di.send_to_scheduler_stream(self.worker, {"op": REPORT_OP, "token": self._token,
+                                                      "spilled": None if spilled == self._sent else spilled,
+                                                      "events": events})
             self._sent = spilled
         except Exception as e:  # scheduler gone or closing: the next report says it all again
             logger.debug("daskflow-kv worker report failed: %s", e)

@@ -1,6 +1,7 @@
 """One test per Dask internal daskflow-kv relies on (daskflow_kv/dask_internals.py).
 
-Each runs against a real 2-worker LocalCluster; if a distributed release changes one of
+Each runs against a real 2-worker cluster (a LocalCluster, or gen_cluster's in-process one
+where a test needs the scheduler's own objects); if a distributed release changes one of
 these behaviours, the failure names the assumption.
 """
 
@@ -11,6 +12,8 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, Event, get_worker, wait
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.utils_test import gen_cluster
 
 from conftest import wait_until
 
@@ -19,6 +22,136 @@ from daskflow_kv.keys import CACHE_CLIENT
 from daskflow_kv.plugins.kv_scheduler import KVAwareReduceReplicas
 
 
+# -- what the tenancy guards rest on (in-process gen_cluster: one scheduler, two workers). First in
+# the file: gen_cluster runs its own event loop, which a module's synchronous client (below) upsets.
+
+_RAN: list = []  # what task bodies ran (the workers are in this process)
+
+
+def _mark(tag):
+    _RAN.append(tag)
+    return tag
+
+
+class _Refuser(SchedulerPlugin):
+    """Refuses every new task whose key starts with "refused-" when ``client`` submits it."""
+
+    name = "internals-refuser"
+
+    def __init__(self, client):
+        self.client = client
+        self.connections = []  # (client argument, current_connection()) per update_graph
+
+    def update_graph(self, scheduler, *, client, tasks, stimulus_id, **kwargs):
+        self.connections.append((client, di.current_connection()))
+        if client == self.client:
+            di.refuse_new_tasks(scheduler, [k for k in tasks if str(k).startswith("refused-")],
+                                PermissionError("refused: not yours"), stimulus_id)
+
+
+@gen_cluster(client=True)
+async def test_refused_tasks_err_never_run_and_leave_their_key_free(c, s, a, b):
+    _RAN.clear()
+    await s.register_scheduler_plugin(_Refuser(c.id), name=_Refuser.name, idempotent=False)
+    squat = c.submit(_mark, "squatter", key="refused-x", pure=False)
+    with pytest.raises(PermissionError, match="^refused: not yours$"):
+        await squat
+    marked = dask.delayed(_mark, pure=False)("in a graph", dask_key_name="refused-x")
+    after = c.compute(dask.delayed(lambda v: v)(marked, dask_key_name="internals-after-x"))  # its dependent
+    with pytest.raises(PermissionError, match="not yours"):
+        await after
+    assert "refused-x" not in s.tasks and "internals-after-x" not in s.tasks  # forgotten, with its dependent
+    assert _RAN == []  # nothing of it ran
+    async with Client(s.address, asynchronous=True) as owner:
+        mine = owner.submit(_mark, "owner", key="refused-x", pure=False)
+        assert await mine == "owner"
+        del squat, after  # the refused client lets go of its erred futures: the owner's key stays
+        await asyncio.sleep(0.2)
+        assert s.tasks["refused-x"].state == "memory" and _RAN == ["owner"]
+
+
+@gen_cluster(client=True)
+async def test_current_connection_is_the_senders_stream_whatever_the_message_says(c, s, a, b):
+    seen = []  # (client=, worker=, current_connection()) of each message, as the handler saw them
+    di.add_stream_handlers(s, {"internals-whoami": lambda client=None, worker=None: seen.append(
+        (client, worker, di.current_connection()))})
+    refuser = _Refuser("nobody")
+    await s.register_scheduler_plugin(refuser, name=_Refuser.name, idempotent=False)
+    async with Client(s.address, asynchronous=True) as other:
+        await c.submit(_mark, 1, key="internals-who-submits", pure=False)
+        [(_, conn_c)] = refuser.connections  # update_graph runs on the submitter's stream
+        di.send_on_stream(c, {"op": "internals-whoami"})
+        di.send_on_stream(other, {"op": "internals-whoami", "client": c.id})  # a message naming another client
+        di.send_to_scheduler_stream(a, {"op": "internals-whoami"})
+        await until(lambda: len(seen) == 3)
+        by_client = [(cl, conn) for cl, w, conn in seen if w is None]
+        [(worker, conn_a)] = [(w, conn) for _, w, conn in seen if w is not None]
+        assert [cl for cl, _ in by_client] == [c.id, c.id]  # Dask's client= says what the message said ...
+        assert sorted(conn is conn_c for _, conn in by_client) == [False, True]  # ... the connection, who sent it
+        conn_other = next(conn for _, conn in by_client if conn is not conn_c)
+        assert worker == a.address and conn_a is not conn_c and conn_a is not conn_other
+        assert di.connection_open(conn_other)
+    await until(lambda: not di.connection_open(conn_other))  # it ends when its client leaves
+    assert di.connection_open(conn_c) and di.connection_open(conn_a)
+
+
+class _Stripper(SchedulerPlugin):
+    name = "internals-stripper"
+
+    def update_graph(self, scheduler, *, tasks, **kwargs):
+        di.strip_annotation(scheduler, [scheduler.tasks[k] for k in tasks], "internals-secret")
+
+
+def _annotations_here(key):
+    return dict(get_worker().state.tasks[key].annotations or {})
+
+
+@gen_cluster(client=True)
+async def test_a_stripped_annotation_never_reaches_a_worker(c, s, a, b):
+    seen = {}
+
+    class Reader(SchedulerPlugin):
+        def update_graph(self, scheduler, *, annotations, **kwargs):
+            seen.update(annotations.get("internals-secret", {}))
+
+    await s.register_scheduler_plugin(Reader(), name="internals-reader", idempotent=False)
+    await s.register_scheduler_plugin(_Stripper(), name=_Stripper.name, idempotent=False)
+    with dask.annotate(**{"internals-secret": {"token": "s3cret"}, "internals-kept": 1}):
+        got = await c.submit(_annotations_here, "internals-annotated", key="internals-annotated", pure=False)
+    assert seen == {"internals-annotated": {"token": "s3cret"}}  # a plugin reads it ...
+    assert got == {"internals-kept": 1}  # ... the worker never gets it
+    assert "internals-secret" not in s.tasks["internals-annotated"].annotations
+    assert all("internals-secret" not in comp.annotations for comp in s.computations)
+
+
+@gen_cluster(client=True)
+async def test_guarded_keys_cannot_be_scattered(c, s, a, b):
+    def refused(keys):
+        bad = [k for k in keys if str(k).startswith("guarded-")]
+        return PermissionError(f"refused: {bad}") if bad else None
+
+    di.guard_data_handlers(s, refused)
+    for w in (a, b):
+        di.guard_worker_data(w, refused)
+    computed = c.submit(_mark, "computed", key="guarded-x", workers=[a.address], pure=False)
+    assert await computed == "computed"
+    for direct in (True, False):
+        with pytest.raises(PermissionError, match="guarded-x"):
+            await c.scatter({"guarded-x": "scattered"}, workers=[b.address], direct=direct)
+        with pytest.raises(PermissionError, match="guarded-x"):
+            await c.scatter({"guarded-x": "scattered"}, workers=[a.address], direct=direct)
+    with pytest.raises(PermissionError, match="guarded-y"):
+        await c.scheduler.update_data(who_has={"guarded-y": [b.address]}, nbytes={"guarded-y": 8}, client=c.id)
+    assert {ws.address for ws in s.tasks["guarded-x"].who_has} == {a.address}
+    assert a.data["guarded-x"] == "computed" and "guarded-x" not in b.data
+    assert await c.scatter({"plain-key": 3}) is not None  # other keys as usual
+
+
+async def until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 def _state(client, key):
     return client.run_on_scheduler(lambda dask_scheduler: getattr(dask_scheduler.tasks.get(key), "state", None))
@@ -197,136 +330,3 @@ def test_the_distributed_release_is_one_we_pin():
     assert distributed.__version__ in req.specifier, str(req)
     assert any(s.operator == "<" for s in req.specifier), "distributed needs an upper bound: " + str(req)
 
-
-
-# -- what the tenancy guards rest on (in-process gen_cluster: one scheduler, two workers) ----------
-from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402
-from distributed.utils_test import gen_cluster  # noqa: E402
-
-_RAN: list = []  # what task bodies ran (the workers are in this process)
-
-
-def _mark(tag):
-    _RAN.append(tag)
-    return tag
-
-
-class _Refuser(SchedulerPlugin):
-    """Refuses every new task whose key starts with "refused-" when ``client`` submits it."""
-
-    name = "internals-refuser"
-
-    def __init__(self, client):
-        self.client = client
-        self.connections = []  # (client argument, current_connection()) per update_graph
-
-    def update_graph(self, scheduler, *, client, tasks, stimulus_id, **kwargs):
-        self.connections.append((client, di.current_connection()))
-        if client == self.client:
-            di.refuse_new_tasks(scheduler, [k for k in tasks if str(k).startswith("refused-")],
-                                PermissionError("refused: not yours"), stimulus_id)
-
-
-@gen_cluster(client=True)
-async def test_refused_tasks_err_never_run_and_leave_their_key_free(c, s, a, b):
-    _RAN.clear()
-    await s.register_scheduler_plugin(_Refuser(c.id), name=_Refuser.name, idempotent=False)
-    squat = c.submit(_mark, "squatter", key="refused-x", pure=False)
-    with pytest.raises(PermissionError, match="^refused: not yours$"):
-        await squat
-    marked = dask.delayed(_mark, pure=False)("in a graph", dask_key_name="refused-x")
-    after = c.compute(dask.delayed(lambda v: v)(marked, dask_key_name="internals-after-x"))  # its dependent
-    with pytest.raises(PermissionError, match="not yours"):
-        await after
-    assert "refused-x" not in s.tasks and "internals-after-x" not in s.tasks  # forgotten, with its dependent
-    assert _RAN == []  # nothing of it ran
-    async with Client(s.address, asynchronous=True) as owner:
-        mine = owner.submit(_mark, "owner", key="refused-x", pure=False)
-        assert await mine == "owner"
-        del squat, after  # the refused client lets go of its erred futures: the owner's key stays
-        await asyncio.sleep(0.2)
-        assert s.tasks["refused-x"].state == "memory" and _RAN == ["owner"]
-
-
-@gen_cluster(client=True)
-async def test_current_connection_is_the_senders_stream_whatever_the_message_says(c, s, a, b):
-    seen = []  # (client=, worker=, current_connection()) of each message, as the handler saw them
-    di.add_stream_handlers(s, {"internals-whoami": lambda client=None, worker=None: seen.append(
-        (client, worker, di.current_connection()))})
-    refuser = _Refuser("nobody")
-    await s.register_scheduler_plugin(refuser, name=_Refuser.name, idempotent=False)
-    async with Client(s.address, asynchronous=True) as other:
-        await c.submit(_mark, 1, key="internals-who-submits", pure=False)
-        [(_, conn_c)] = refuser.connections  # update_graph runs on the submitter's stream
-        di.send_on_stream(c, {"op": "internals-whoami"})
-        di.send_on_stream(other, {"op": "internals-whoami", "client": c.id})  # a message naming another client
-        di.send_to_scheduler_stream(a, {"op": "internals-whoami"})
-        await until(lambda: len(seen) == 3)
-        by_client = [(cl, conn) for cl, w, conn in seen if w is None]
-        [(worker, conn_a)] = [(w, conn) for _, w, conn in seen if w is not None]
-        assert [cl for cl, _ in by_client] == [c.id, c.id]  # Dask's client= says what the message said ...
-        assert sorted(conn is conn_c for _, conn in by_client) == [False, True]  # ... the connection, who sent it
-        conn_other = next(conn for _, conn in by_client if conn is not conn_c)
-        assert worker == a.address and conn_a is not conn_c and conn_a is not conn_other
-        assert di.connection_open(conn_other)
-    await until(lambda: not di.connection_open(conn_other))  # it ends when its client leaves
-    assert di.connection_open(conn_c) and di.connection_open(conn_a)
-
-
-class _Stripper(SchedulerPlugin):
-    name = "internals-stripper"
-
-    def update_graph(self, scheduler, *, tasks, **kwargs):
-        di.strip_annotation(scheduler, [scheduler.tasks[k] for k in tasks], "internals-secret")
-
-
-def _annotations_here(key):
-    return dict(get_worker().state.tasks[key].annotations or {})
-
-
-@gen_cluster(client=True)
-async def test_a_stripped_annotation_never_reaches_a_worker(c, s, a, b):
-    seen = {}
-
-    class Reader(SchedulerPlugin):
-        def update_graph(self, scheduler, *, annotations, **kwargs):
-            seen.update(annotations.get("internals-secret", {}))
-
-    await s.register_scheduler_plugin(Reader(), name="internals-reader", idempotent=False)
-    await s.register_scheduler_plugin(_Stripper(), name=_Stripper.name, idempotent=False)
-    with dask.annotate(**{"internals-secret": {"token": "s3cret"}, "internals-kept": 1}):
-        got = await c.submit(_annotations_here, "internals-annotated", key="internals-annotated", pure=False)
-    assert seen == {"internals-annotated": {"token": "s3cret"}}  # a plugin reads it ...
-    assert got == {"internals-kept": 1}  # ... the worker never gets it
-    assert "internals-secret" not in s.tasks["internals-annotated"].annotations
-    assert all("internals-secret" not in comp.annotations for comp in s.computations)
-
-
-@gen_cluster(client=True)
-async def test_guarded_keys_cannot_be_scattered(c, s, a, b):
-    def refused(keys):
-        bad = [k for k in keys if str(k).startswith("guarded-")]
-        return PermissionError(f"refused: {bad}") if bad else None
-
-    di.guard_data_handlers(s, refused)
-    for w in (a, b):
-        di.guard_worker_data(w, refused)
-    computed = c.submit(_mark, "computed", key="guarded-x", workers=[a.address], pure=False)
-    assert await computed == "computed"
-    for direct in (True, False):
-        with pytest.raises(PermissionError, match="guarded-x"):
-            await c.scatter({"guarded-x": "scattered"}, workers=[b.address], direct=direct)
-        with pytest.raises(PermissionError, match="guarded-x"):
-            await c.scatter({"guarded-x": "scattered"}, workers=[a.address], direct=direct)
-    with pytest.raises(PermissionError, match="guarded-y"):
-        await c.scheduler.update_data(who_has={"guarded-y": [b.address]}, nbytes={"guarded-y": 8}, client=c.id)
-    assert {ws.address for ws in s.tasks["guarded-x"].who_has} == {a.address}
-    assert a.data["guarded-x"] == "computed" and "guarded-x" not in b.data
-    assert await c.scatter({"plain-key": 3}) is not None  # other keys as usual
-
-
-async def until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)

@@ -65,7 +65,7 @@ def test_branches_batch_by_prefix_worker_reuse_and_action():
 
 def test_out_bytes_count_from_the_aligned_floor_to_the_end_of_generation():
     spec = tasks.ModelSpec("tiny-llama", "float32", 16, "default", "cpu")
-    sub = Submitter(object(), spec, "token", bytes_per_token=10)
+    sub = Submitter(object(), spec, bytes_per_token=10)
     req = tasks.PrefillRequest(tuple(range(40)), 20, max_new_tokens=8)
     assert sub.out_bytes(req) == (40 + 8 - 16) * 10
     batch = tasks.BatchPrefillRequest((req, req), 20, "resume", "b")

@@ -124,7 +124,7 @@ def test_keys_cannot_be_computed_without_the_secret(bob, record):
 def test_known_keys_cannot_be_acquired_by_another_tenant(bob, record):
     """Even a leaked key gives nothing through daskflow-kv's API."""
     got = bob.client.sync(bob.client.scheduler.kv_acquire, session=bob.session.token,
-                          keys=list(record.state.block_keys), client=bob.client.id)
+                          keys=list(record.state.block_keys))
     assert got == {}
 
 

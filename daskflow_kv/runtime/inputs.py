@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from distributed import Future
 
-from ..keys import REPLICA, task_key
+from ..keys import REPLICA
 from ..policy.cluster_view import ClusterView
 from ..policy.placement import Placement, read_blocks
 from ..state.blocks import aligned_floor, split_spans
@@ -54,5 +54,5 @@ class PrefixInputs:
         out = self.submitter.prefill(req, own, worker, predicted_s=predicted)
         bs = self.submitter.block_size
         n = len(split_spans(aligned_floor(held_tokens, bs), len(tokens), bs))
-        return tuple(own) + tuple(self.submitter.near(worker, tasks.take_block, out, i, key=task_key(REPLICA, sid, i))
+        return tuple(own) + tuple(self.submitter.near(worker, tasks.take_block, out, i, key=self.submitter.key(REPLICA, sid, i))
                                   for i in range(n))

@@ -49,6 +49,7 @@ class PersistentTier:
     store: object | None  # the opened KV store (store.kv_store), None without one
     store_write: str  # all | materialize-only | off
     fingerprint_digest: str  # the model's fingerprint, stamped on every stored block
+    namespace: str  # whose tasks it submits (their keys carry its tag)
     samples: deque[StoreSample] = field(default_factory=lambda: deque(maxlen=64))  # load timings, newest last
     decisions: deque[StoreDecision] = field(default_factory=lambda: deque(maxlen=1024))  # oldest first
     _stored: set[str] = field(default_factory=set, repr=False)  # keys the store has (or will have), as known here
@@ -80,7 +81,7 @@ class PersistentTier:
         for worker, blocks in by_worker.items():
             reqs = [self.write_request(b.key, b.start, b.end) for b in blocks]
             fut = self.client.submit(store_io.persist_blocks, reqs, *held.futures_of(blocks),
-                                     key=task_key(PERSIST), workers=[worker] if worker else None,
+                                     key=task_key(PERSIST, self.namespace), workers=[worker] if worker else None,
                                      allow_other_workers=True, priority=-10, pure=False)
             fire_and_forget(fut)
 

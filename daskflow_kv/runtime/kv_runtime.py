@@ -96,10 +96,10 @@ class KVRuntime:
         self.codec = TextCodec(load_tokenizer(model))
         # The parts, each given what it uses.
         fp, digest = self.facts.fingerprint, self.key_digest
-        self.tier = PersistentTier(client, store, store_write, fp.digest)
+        self.tier = PersistentTier(client, store, store_write, fp.digest, self.spec.namespace)
         self.calibrator = Calibrator(client, self.plugin, self.spec, self.facts, self.tier)
         self.planner = Planner(self.plugin, self.calibrator)
-        self.submitter = Submitter(client, self.spec, self.session.token, self.facts.bytes_per_token)
+        self.submitter = Submitter(client, self.spec, self.facts.bytes_per_token)
         self.prefixes = PrefixCache(client, self.plugin, digest, block_size)
         publisher = Publisher(self.prefixes, self.submitter, self.tier, digest, fp.digest, self.facts.bytes_per_token)
         self.registry = StateRegistry(self.plugin, fp, block_size, device, self)

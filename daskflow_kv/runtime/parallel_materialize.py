@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from distributed import Future
 
 from .. import config, validation
-from ..keys import PREFILL, task_key
+from ..keys import PREFILL
 from ..plugins.handoff import Patience
 from ..policy.cluster_view import ClusterView
 from ..policy.cost_model import LinkProfile, PrefillProfile
@@ -114,7 +114,7 @@ class ParallelPrefill:
             req = ChunkRequest(tuple(tokens[:end]), reused, p.spans, p.workers, i, group, patience(), op, sid)
             first = aligned_floor(s, self.block_size)
             out = self.submitter.compute(ComputeTask(
-                prefill_chunk, req, inputs, task_key(PREFILL, op, f"{sid}-c{i}"), op, sid, worker, reads,
+                prefill_chunk, req, inputs, self.submitter.key(PREFILL, op, f"{sid}-c{i}"), op, sid, worker, reads,
                 kv_out=(e - first) * self.facts.bytes_per_token,
                 extra={"gang": group, "gang_size": p.width, "chunk": i}))
             chunk_spans = split_spans(first, e, self.block_size)

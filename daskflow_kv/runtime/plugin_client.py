@@ -1,7 +1,8 @@
 """The KV scheduler plugin's RPCs, typed: one method per call, on behalf of one session.
 
 Every call carries this client's session token (``session.login``; the plugin scopes what
-it answers to the session's tenant, see ``plugins/kv_client_api.py``). The answers the
+it answers to the session's tenant, see ``plugins/kv_client_api.py``); what a call acquires
+is acquired for the client the session was bound to, this one. The answers the
 planner reads are converted here, once, into ``policy.cluster_view``'s frozen types: a
 lookup answers a ``PrefixMatch``, a snapshot a ``ClusterView``. No other module calls
 ``client.scheduler.kv_*`` (the login itself is ``session.login``'s).
@@ -36,14 +37,13 @@ class PluginClient:
     def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:
         """The longest cached prefix of ``tokens`` (asked by its own chain ``keys``); the plugin
         acquires its blocks for this client before it answers."""
-        ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size,
-                        client=self.client.id)
+        ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size)
         return PrefixMatch.from_answer(ans)
 
     def acquire(self, keys: Iterable[str]) -> list[str]:
         """Which of ``keys`` the scheduler knows in this namespace, each now acquired for this client."""
         keys = list(keys)
-        return list(self.call("kv_acquire", keys=keys, client=self.client.id)) if keys else []
+        return list(self.call("kv_acquire", keys=keys)) if keys else []
 
     def register_states(self, metas: list[dict]) -> None:
         """Catalog new states (the plugin answers once it knows all their blocks)."""
@@ -54,7 +54,7 @@ class PluginClient:
 
     def drop(self) -> int:
         """Admin: the cache lets go of every block and this client of every key (before a cluster closes)."""
-        return self.call("kv_drop", client=self.client.id)
+        return self.call("kv_drop")
 
     # -- what the planner sees ---------------------------------------------------------------------
     def snapshot(self, bandwidth_override: float | None = None,

@@ -64,7 +64,8 @@ class PrefixCache:
     def find(self, tokens: Sequence[int]) -> HeldPrefix:
         """The longest cached prefix of ``tokens`` in this namespace, asked by its own chain keys."""
         full = aligned_floor(len(tokens), self.block_size)
-        keys = [k for k, _, _ in chain_keys(self.key_digest, tokens[:full], self.block_size)]
+        keys = [k for k, _, _ in chain_keys(self.key_digest, tokens[:full], self.block_size,
+                                            namespace=self.plugin.session.namespace)]
         match = self.plugin.lookup(self.key_digest, keys, tokens, self.block_size)
         return HeldPrefix(match, hold_futures(self.client, [b.key for b in match.blocks]), tokens)
 

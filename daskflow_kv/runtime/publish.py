@@ -99,7 +99,7 @@ class Publisher:
         parent = s.kept[-1][0].key if s.kept else None
         planned = []
         for a, b in s.spans:
-            key = block_key(self.key_digest, parent, s.tokens[a:b])
+            key = block_key(self.key_digest, parent, s.tokens[a:b], self.submitter.namespace)
             planned.append((BlockRef(key, a, tuple(s.tokens[a:b]), (b - a) * self.bytes_per_token), parent))
             parent = key
         return planned

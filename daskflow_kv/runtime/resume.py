@@ -15,7 +15,7 @@ from dataclasses import InitVar, dataclass, field
 
 from distributed import Future
 
-from ..keys import PREFILL, RESULT, task_key
+from ..keys import PREFILL, RESULT
 from ..model.sampling import SamplingParams
 from ..model.text_codec import TextCodec
 from ..policy.cluster_view import ClusterView
@@ -84,15 +84,15 @@ class Resumer:
         if len(idxs) == 1:
             [i] = idxs
             outputs[i] = self.submitter.prefill(reqs[i], inputs, p.worker, reads, p, predicted)
-            return near(p.worker, tasks.take_result, outputs[i], key=task_key(RESULT, reqs[i].state_id))
+            return near(p.worker, tasks.take_result, outputs[i], key=self.submitter.key(RESULT, reqs[i].state_id))
         first = next((branches[i].placement for i in idxs if branches[i].placement.first), p)  # pays the decision
         batch_id = reqs[idxs[0]].state_id
         breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{batch_id}")
         out = self.submitter.prefill_batch(breq, inputs, p.worker, reads, first, predicted)
         for j, i in enumerate(idxs):  # the branch outputs hold the batch; Dask frees it once they are computed
-            outputs[i] = near(p.worker, tasks.take_branch, out, j, key=task_key(PREFILL, "branch", reqs[i].state_id))
+            outputs[i] = near(p.worker, tasks.take_branch, out, j, key=self.submitter.key(PREFILL, "branch", reqs[i].state_id))
         # One small-results task per batch, not one per branch (each is a scheduler round trip).
-        return near(p.worker, tasks.take_batch_results, out, key=task_key(RESULT, "batch", batch_id))
+        return near(p.worker, tasks.take_batch_results, out, key=self.submitter.key(RESULT, "batch", batch_id))
 
     def _continue(self, states, prompts, branches, outputs, results, sids) -> list[DistGeneration]:
         """Each branch's continuation state (prompt and generation, all but the last token

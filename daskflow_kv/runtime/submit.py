@@ -11,7 +11,10 @@ Three kinds of task leave this client:
 * a *near* task reads a compute task's output where it is (results, branches, replicas).
 
 Annotations travel with per-call keywords (``dask.annotate`` around one ``submit``), which
-graph optimization cannot drop.
+graph optimization cannot drop. They carry no session token: the plugin knows whose a task
+is by the client stream it came on, and lets it run under its key only if the key carries
+this namespace's tag (``key``, ``keys.task_key``). It reads the annotations and drops them
+before any worker gets the task.
 """
 
 from __future__ import annotations
@@ -49,14 +52,21 @@ class ComputeTask:
 
 @dataclass(slots=True, eq=False)
 class Submitter:
-    client: Client  # where tasks are submitted
-    spec: tasks.ModelSpec  # the model every compute task loads (its first argument)
-    session_token: str  # names this client's tenant in every annotation
+    client: Client  # where tasks are submitted (the session's client: its tasks are the session's)
+    spec: tasks.ModelSpec  # the model every compute task loads (its first argument); its namespace tags keys
     bytes_per_token: int  # K/V bytes one token takes in every layer
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    @property
+    def namespace(self) -> str:
+        return self.spec.namespace
+
+    def key(self, kind: str, *ident) -> str:
+        """A new task key of this namespace (``keys.task_key``): only its tasks may compute it."""
+        return task_key(kind, self.namespace, *ident)
 
     # -- compute tasks ------------------------------------------------------------------------------
     def compute(self, task: ComputeTask) -> Future:
@@ -73,14 +83,14 @@ class Submitter:
                 reads: Sequence[str] = (), placement: Placement | None = None,
                 predicted_s: float | None = None) -> Future:
         """One ``prefill`` of ``req`` (its PrefillOutput stays on ``worker``)."""
-        return self.compute(ComputeTask(tasks.prefill, req, inputs, task_key(PREFILL, req.op, req.state_id), req.op,
+        return self.compute(ComputeTask(tasks.prefill, req, inputs, self.key(PREFILL, req.op, req.state_id), req.op,
                                         req.state_id, worker, reads, placement, predicted_s))
 
     def prefill_batch(self, breq: tasks.BatchPrefillRequest, inputs: Sequence[Future], worker: str | None,
                       reads: Sequence[str] = (), placement: Placement | None = None,
                       predicted_s: float | None = None) -> Future:
         """One ``prefill_batch`` for several branches of one prefix on one worker."""
-        return self.compute(ComputeTask(tasks.prefill_batch, breq, inputs, task_key(PREFILL, breq.op, breq.batch_id),
+        return self.compute(ComputeTask(tasks.prefill_batch, breq, inputs, self.key(PREFILL, breq.op, breq.batch_id),
                                         breq.op, breq.batch_id, worker, reads, placement, predicted_s,
                                         extra={"branches": [r.state_id for r in breq.requests]}))
 
@@ -89,7 +99,7 @@ class Submitter:
         """Read ``keys`` from the persistent store on ``worker`` as ``tenant`` (``store_io.load_blocks``)."""
         note = self._note("store-load", state_id, worker, (), decision, True, nbytes)
         with dask.annotate(kv=note):
-            return self.client.submit(store_io.load_blocks, url, keys, tenant, key=task_key(STORE_LOAD, state_id),
+            return self.client.submit(store_io.load_blocks, url, keys, tenant, key=self.key(STORE_LOAD, state_id),
                                       workers=[worker] if worker else None, pure=False)
 
     def out_bytes(self, req) -> int:
@@ -101,13 +111,13 @@ class Submitter:
 
     def _note(self, op: str, state_id: str, worker: str | None, reads: Sequence[str], decision: dict | None,
               first: bool, kv_out: int, **extra) -> dict:
-        return {"role": "compute", "session": self.session_token, "op": op, "state_id": state_id, "target": worker,
+        return {"role": "compute", "op": op, "state_id": state_id, "target": worker,
                 "reads": list(reads), "decision": decision, "first": first, "kv_out": kv_out, **extra}
 
     # -- tasks next to a compute task's output ------------------------------------------------------
     def block(self, key: str, meta: dict, worker: str | None, fn: Callable, *args) -> Future:
         """The task that makes block ``key`` (``meta``: its catalog entry) where its source is."""
-        with dask.annotate(kv={"role": "block", "session": self.session_token, "meta": meta}):
+        with dask.annotate(kv={"role": "block", "meta": meta}):
             return self.near(worker, fn, *args, key=key)
 
     def near(self, worker: str | None, fn: Callable, *args, key: str) -> Future:

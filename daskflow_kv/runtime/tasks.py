@@ -25,7 +25,8 @@ import torch
 from dask.sizeof import sizeof
 
 from .. import config
-from ..keys import PREFILL_TOPIC
+from ..dask_internals import running_task_key
+from ..keys import PREFILL_TOPIC, tag_of
 from ..model.runner import ModelRunner
 from ..model.step_engine import StepRequest
 from ..model.sampling import GREEDY, SamplingParams
@@ -164,11 +165,12 @@ def worker_address() -> str:
 
 
 def report_prefill(event: dict) -> None:
-    """A prefill's timing, for the scheduler plugin's fitted profiles (the prefill topic)."""
+    """A prefill's timing, for the scheduler plugin's fitted profiles (the prefill topic), with
+    the namespace tag of the task that ran it (whose counters it adds to; no key, no tokens)."""
     try:
         from distributed import get_worker
 
-        get_worker().log_event(PREFILL_TOPIC, event)
+        get_worker().log_event(PREFILL_TOPIC, {**event, "tag": tag_of(running_task_key())})
     except ValueError:
         pass  # not inside a worker (direct call in tests): nothing to report to
 

@@ -42,13 +42,19 @@ def keyed_digest(fingerprint_digest: str, secret: str | None) -> str:
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()[:32]
 
 
-def block_key(fingerprint_digest: str, parent_key: str | None, token_ids: Sequence[int]) -> str:
-    """Content address of one block; a valid Dask key (a string)."""
+def block_key(fingerprint_digest: str, parent_key: str | None, token_ids: Sequence[int],
+              namespace: str | None = None) -> str:
+    """Content address of one block; a valid Dask key (a string).
+
+    ``namespace``: whose block it is, tagged into the key (``keys.namespace_tag``) so the
+    scheduler plugin runs a task under it only for that namespace; None (the local engine,
+    which has no scheduler) leaves it untagged.
+    """
     h = hashlib.blake2b(digest_size=16)
     h.update(fingerprint_digest.encode())
     h.update((parent_key or _ROOT).encode())
     h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
-    return key_names.block_key(h.hexdigest())
+    return key_names.block_key(h.hexdigest(), namespace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +87,14 @@ def chain_keys(
     block_size: int,
     start: int = 0,
     parent_key: str | None = None,
+    namespace: str | None = None,
 ) -> list[tuple[str, int, int]]:
-    """(key, start, end) of every block of ``tokens[start:]``, chained from ``parent_key``."""
+    """(key, start, end) of every block of ``tokens[start:]``, chained from ``parent_key``
+    (``namespace``: see ``block_key``)."""
     out = []
     parent = parent_key
     for s, e in split_spans(start, len(tokens), block_size):
-        parent = block_key(fingerprint_digest, parent, tokens[s:e])
+        parent = block_key(fingerprint_digest, parent, tokens[s:e], namespace)
         out.append((parent, s, e))
     return out
 

@@ -31,6 +31,21 @@ from dataclasses import dataclass, field
 from .blocks import BlockRef
 from .prefix_index import PrefixIndex, PrefixMatch
 
+COUNTERS = (
+    "tokens_reused",
+    "tokens_computed",
+    "bytes_transferred",
+    "transfers",
+    "recomputes",  # prefixes the cost model chose to rebuild on a destination
+    "lineage_recomputes",  # blocks Dask computed again after they left memory
+    "evictions",
+    "bytes_evicted",
+    "store_writes",  # blocks workers wrote to the persistent store
+    "store_bytes_written",
+    "store_loads",  # blocks loaded from the store instead of prefilled
+    "store_bytes_read",
+    "store_corrupt",  # stored objects that failed verification (recomputed instead)
+)
 BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
 TIERS = ("memory", "spilled", "store", "")
 MAX_STORE_ONLY = 4096  # persisted blocks Dask forgot that the catalog keeps listing (newest used)
@@ -75,21 +90,7 @@ class KVCatalog:
         self.states: dict[str, StateEntry] = {}
         self.live_holders: dict[str, set[str]] = {}  # block key -> live states listing it
         self.index = PrefixIndex()  # blocks Dask still knows (any status but forgotten)
-        self.counters: dict[str, float] = {
-            "tokens_reused": 0,
-            "tokens_computed": 0,
-            "bytes_transferred": 0,
-            "transfers": 0,
-            "recomputes": 0,  # prefixes the cost model chose to rebuild on a destination
-            "lineage_recomputes": 0,  # blocks Dask computed again after they left memory
-            "evictions": 0,
-            "bytes_evicted": 0,
-            "store_writes": 0,  # blocks workers wrote to the persistent store
-            "store_bytes_written": 0,
-            "store_loads": 0,  # blocks loaded from the store instead of prefilled
-            "store_bytes_read": 0,
-            "store_corrupt": 0,  # stored objects that failed verification (recomputed instead)
-        }
+        self._counters: dict[str | None, dict[str, float]] = {}  # namespace (None: the cluster's) -> counters
 
     # -- blocks ---------------------------------------------------------------------------
     def add_block(self, meta: dict, namespace: str = "") -> BlockEntry:
@@ -135,7 +136,7 @@ class KVCatalog:
         again = entry.computed
         if again:
             entry.recomputes += 1
-            self.count("lineage_recomputes")
+            self.count("lineage_recomputes", namespace=entry.namespace)
         entry.computed = True
         entry.status = "memory"
         return again
@@ -224,8 +225,23 @@ class KVCatalog:
             del self.states[sid]
         return len(gone)
 
-    def count(self, name: str, value: float = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + value
+    def count(self, name: str, value: float = 1, namespace: str | None = None) -> None:
+        """Add to ``namespace``'s counter (None: the cluster's own, e.g. from an unattributed report)."""
+        mine = self._counters.setdefault(namespace, dict.fromkeys(COUNTERS, 0))
+        mine[name] = mine.get(name, 0) + value
+
+    def counters_of(self, namespace: str | None) -> dict[str, float]:
+        """``namespace``'s counters (None: the cluster's own)."""
+        return {**dict.fromkeys(COUNTERS, 0), **self._counters.get(namespace, {})}
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Every namespace's counters added up (the operator's)."""
+        out = dict.fromkeys(COUNTERS, 0)
+        for mine in self._counters.values():
+            for name, v in mine.items():
+                out[name] = out.get(name, 0) + v
+        return out
 
     # -- export ---------------------------------------------------------------------------
     def rows(self, who_has: dict[str, list[str]], refcount: dict[str, int], cached: set[str],

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from .. import keys
 
 FORMAT = "daskflow-kv/block/v2"
-KEY_RE = re.compile(rf"^{keys.BLOCK}-[0-9a-f]{{32}}$")  # state.blocks.block_key; also a safe file name
+KEY_RE = re.compile(rf"^{keys.BLOCK}-(?:[0-9a-f]{{{keys.TAG_HEX}}}-)?[0-9a-f]{{32}}$")  # state.blocks.block_key; also a safe file name
 
 
 def check_key(key) -> str:

@@ -20,10 +20,12 @@ import numpy as np
 from daskflow_kv import config
 from daskflow_kv.keys import PLUGIN_NAME, PREFILL, block_key, task_key
 from daskflow_kv.plugins.kv_scheduler import KVSchedulerPlugin
+from daskflow_kv.runtime.session import login_async
 
 BLOCK_TOKENS = 4  # tokens per test block
 FINGERPRINT = "fingerprint-plugin-tests"
 _GATES: dict[str, threading.Event] = {}  # gate name -> event a task waits on (workers run in-process)
+_NAMESPACES: dict[str, str] = {}  # session token -> its namespace (whose tag the test's keys carry)
 
 
 def kv_config(**overrides) -> dict:
@@ -43,9 +45,12 @@ async def start_plugin(scheduler, **settings) -> KVSchedulerPlugin:
     return plugin
 
 
-async def login(client, namespace: str = "tests") -> str:
-    """A session token (the cluster is open: no tenants configured, the session is an admin)."""
-    return (await client.scheduler.kv_login(namespace=namespace, client=client.id))["session"]
+async def login(client, namespace: str = "tests", secret: str | None = None) -> str:
+    """A session token, logged in as a KVRuntime does (an admin's on an open cluster: no tenants
+    configured). Keys submitted with it carry its namespace's tag."""
+    token = (await login_async(client, namespace, secret)).token
+    _NAMESPACES[token] = namespace
+    return token
 
 
 def kv_value(nbytes: int) -> np.ndarray:
@@ -54,24 +59,25 @@ def kv_value(nbytes: int) -> np.ndarray:
 
 def submit_block(client, session: str, worker: str, nbytes: int, start: int = 0, parent: str | None = None,
                  state_id: str = "kvstate-test-000000000000"):
-    """A cataloged block of ``nbytes`` on ``worker``, chained after ``parent``."""
-    key = block_key(secrets.token_hex(16))
+    """A cataloged block of ``nbytes`` on ``worker``, chained after ``parent`` (``session``'s namespace's)."""
+    key = block_key(secrets.token_hex(16), _NAMESPACES[session])
     meta = {"key": key, "start": start, "end": start + BLOCK_TOKENS, "nbytes": nbytes,
             "tokens": list(range(start, start + BLOCK_TOKENS)), "parent": parent, "fingerprint": FINGERPRINT,
             "root": FINGERPRINT, "state_id": state_id}
-    with dask.annotate(kv={"role": "block", "session": session, "meta": meta}):
+    with dask.annotate(kv={"role": "block", "meta": meta}):
         return client.submit(kv_value, nbytes, key=key, workers=[worker], pure=False)
 
 
 def submit_compute(client, session: str | None, target: str, fn=kv_value, *args, kv_out: int = 0,
                    predicted_s: float | None = None, workers: list[str] | None = None):
-    """A KV compute task (a prefill's output key) the plan sends to ``target``."""
-    note = {"role": "compute", "session": session, "op": "prefill", "state_id": "kvstate-prefill-test",
+    """A KV compute task (a prefill's output key of ``session``'s namespace) the plan sends to ``target``."""
+    note = {"role": "compute", "op": "prefill", "state_id": "kvstate-prefill-test",
             "target": target, "reads": [], "decision": None, "first": False, "kv_out": kv_out}
     if predicted_s is not None:
         note["predicted_s"] = predicted_s
     with dask.annotate(kv=note):
-        return client.submit(fn, *args, key=task_key(PREFILL, "test"), workers=workers or [target], pure=False)
+        return client.submit(fn, *args, key=task_key(PREFILL, _NAMESPACES.get(session, ""), "test"),
+                             workers=workers or [target], pure=False)
 
 
 def gate(name: str) -> threading.Event:

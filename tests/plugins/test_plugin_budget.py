@@ -10,6 +10,7 @@ import time
 import pytest
 from distributed.utils_test import gen_cluster
 
+from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError
 from plugin_kit import (events, kv_config, kv_value, login, start_plugin, submit_block, submit_compute,
                         state_of, until, wanted_only_by_cache)
@@ -96,7 +97,10 @@ async def test_a_lease_keeps_a_looked_up_block_until_it_expires(c, s, a, b):
     await until(lambda: wanted_only_by_cache(s, key), what="the client's release")
 
     t0 = time.time()
-    assert await c.scheduler.kv_acquire(session=token, keys=[key], client=None) == {key: "memory"}
+    assert await c.scheduler.kv_acquire(session=token, keys=[key]) == {key: "memory"}
+    held = di.hold_futures(c, [key])  # acquired for this client: its futures, let go of at once
+    del held
+    await until(lambda: wanted_only_by_cache(s, key), what="the client's release of the acquired block")
     await c.scheduler.kv_configure(session=token, kv_budget_bytes=100)
     [over] = events(plugin, "over-budget")  # leased: pinned, so the worker stays over budget
     assert (over["worker"], over["nbytes"]) == (a.address, 400)

@@ -9,6 +9,8 @@ import asyncio
 from distributed.utils_test import gen_cluster
 
 from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import REPORT_OP
+from daskflow_kv.store import worker_io
 from plugin_kit import kv_config, login, start_plugin, submit_block, until
 
 SPILLING = {"memory_limit": "1 GiB"}  # a worker with a memory limit keeps its data in a SpillBuffer
@@ -39,11 +41,15 @@ async def test_tiers_follow_the_workers_reports(c, s, a, b):
     snap = await c.scheduler.kv_snapshot(session=token)
     assert snap["workers"][a.address]["kv_bytes"] == 500  # the budget counts memory, not the spill disk
 
-    # a store write, reported as the worker's store writer does; a report naming no live worker is ignored
-    await c.scheduler.kv_worker_report(worker="tcp://127.0.0.1:9", spilled=[second.key],
-                                       events=[{"op": "write", "written": True, "key": first.key, "nbytes": 1}])
-    await c.scheduler.kv_worker_report(worker=a.address,
-                                       events=[{"op": "write", "written": True, "key": second.key, "nbytes": 500}])
+    # a report from anyone but the worker is dropped: a client's, on its own stream, naming a; one
+    # without a's token, on a's stream; then a store write as the worker's store writer reports it
+    forged = {"op": REPORT_OP, "spilled": [second.key],
+              "events": [{"op": "write", "written": True, "key": first.key, "nbytes": 1}]}
+    di.send_on_stream(c, {**forged, "worker": a.address, "client": None, "token": None})
+    di.send_to_scheduler_stream(a, {**forged, "token": "0" * 32})
+    worker_io.report({"op": "write", "written": True, "key": second.key, "nbytes": 500})
+    await until(lambda: plugin.catalog.blocks[second.key].persisted, what="the worker's own report")
+    assert plugin.tiers.spilled_on(first.key, a.address) and not plugin.tiers.spilled_on(second.key, a.address)
     rows = _rows(await c.scheduler.kv_catalog(session=token))
     assert rows[second.key]["tier"] == "memory" and rows[second.key]["persisted"]
     assert not rows[first.key]["persisted"]
