@@ -1,10 +1,11 @@
 """Every name daskflow-kv puts into Dask: key kinds, their constructors and parsers, topics.
 
 One vocabulary for the client, the workers, the scheduler plugin and the store (as the P2P
-shuffle's ``barrier_key`` / ``id_from_key``). A Dask key of ours is ``<kind>-<tag>-<rest>``,
-``<tag>`` naming the namespace whose task computes it (``namespace_tag``: 8 hex digits of a
-hash of the namespace's name), so the scheduler plugin can tell whose a key is before it
-lets a task run under it:
+shuffle's ``barrier_key`` / ``id_from_key``). A Dask key of ours is
+``<kind>-<ident…>-<tag>-<hex>``: ``<tag>`` (always the last part but one) names the
+namespace whose task computes it (``namespace_tag``: 8 hex digits of a hash of the
+namespace's name), so the scheduler plugin can tell whose a key is before it lets a task
+run under it; ``<hex>`` is a block's content address or a task's random tail:
 
 =================  ==========================================================================
 ``kvblock-…``      a content-addressed KV block (``state.blocks.block_key``): what the catalog
@@ -68,6 +69,7 @@ _OUTPUTS = _prefixes(OUTPUTS)
 
 TAG_HEX = 8  # hex digits of a namespace tag
 _TAG_RE = re.compile(rf"^[0-9a-f]{{{TAG_HEX}}}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{16,}$")  # a block's content address or a task key's random tail
 
 
 # -- constructors -------------------------------------------------------------------------------
@@ -90,14 +92,14 @@ def block_key(digest_hex: str, namespace: str | None = None) -> str:
 
 def task_key(kind: str, namespace: str, *ident) -> str:
     """Key of a task of ``namespace`` whose result holds K/V or a user's tokens:
-    ``<kind>-<tag>-<ident…>-<16 hex>``.
+    ``<kind>-<ident…>-<tag>-<16 hex>``.
 
     Dask serves any key to any client that names it; the random tail keeps these from being
     named by whoever read a state id in an event or on the dashboard.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown key kind {kind!r}; expected one of {KINDS}")
-    parts = [kind, namespace_tag(namespace), *(str(i) for i in ident if i not in (None, "")), secrets.token_hex(8)]
+    parts = [kind, *(str(i) for i in ident if i not in (None, "")), namespace_tag(namespace), secrets.token_hex(8)]
     return "-".join(parts)
 
 
@@ -117,8 +119,8 @@ def tag_of(key) -> str | None:
     """The namespace tag of one of our keys; None for an untagged key or any other key."""
     if kind_of(key) is None:
         return None
-    parts = str(key).split("-", 2)
-    return parts[1] if len(parts) == 3 and _TAG_RE.match(parts[1]) else None
+    parts = str(key).rsplit("-", 2)
+    return parts[1] if len(parts) == 3 and _TAG_RE.match(parts[1]) and _HEX_RE.match(parts[2]) else None
 
 
 def is_kv(key) -> bool:

@@ -142,3 +142,36 @@ def test_random_forests_keep_every_invariant():
             for b in blocks:
                 if b.key not in gone and not b.pinned:
                     assert any(c.parent == b.key and c.key not in gone for c in blocks)
+
+
+# -- tenants' quotas: floors per owner ----------------------------------------------------------
+def owned(key, owner, nbytes=100, age=0.0, **kw):
+    return BlockUsage(key, nbytes, NOW - age, 0, kw.pop("pinned", False), kw.pop("parent", None), 0, owner)
+
+
+def test_a_floor_keeps_an_owner_at_its_quota_whatever_the_scores():
+    # alice's blocks are the oldest, so by score they would all go first; her floor keeps 200 B.
+    blocks = [owned(f"a{i}", "alice", age=900) for i in range(4)] + [owned(f"b{i}", "bob", age=1) for i in range(4)]
+    plan = choose_victims(blocks, 800, 300, NOW, floors={"alice": 200})
+    assert {"a0", "a1"} <= set(plan.victims) and sum(v.startswith("a") for v in plan.victims) == 2
+    assert sum(v.startswith("b") for v in plan.victims) == 3 and plan.remaining_bytes == 300
+    # floors for everyone, summing past the budget: the plan stops there, over budget
+    plan = choose_victims(blocks, 800, 300, NOW, floors={"alice": 300, "bob": 300})
+    assert plan.freed_bytes == 200 and plan.over_budget_pinned
+
+
+def test_a_floor_counts_what_the_owner_holds_besides_its_blocks():
+    # alice holds 250 B here (an output beside her two blocks): one block may go, down to 150 >= 100
+    blocks = [owned("a0", "alice", age=900), owned("a1", "alice", age=800)]
+    plan = choose_victims(blocks, 250, 0, NOW, floors={"alice": 100}, held={"alice": 250})
+    assert plan.victims == ("a0",) and plan.over_budget_pinned
+
+
+def test_floors_never_change_a_plan_without_owners():
+    rng = random.Random(11)
+    for _ in range(50):
+        blocks = [blk(f"k{i}", rng.randint(1, 300), age=rng.uniform(0, 600)) for i in range(rng.randint(1, 15))]
+        used = sum(b.nbytes for b in blocks)
+        budget = rng.randint(0, used)
+        assert choose_victims(blocks, used, budget, NOW, floors={"alice": 10 ** 6}) == \
+            choose_victims(blocks, used, budget, NOW)

@@ -1,0 +1,54 @@
+"""Admission under the KV budget on plain numbers, with and without tenants' quotas. Pure policy."""
+
+from daskflow_kv.policy.admission import ADMIT, FAIL, WAIT, Tenancy, admit
+from daskflow_kv.policy.eviction import BlockUsage
+
+NOW = 1000.0
+QUOTAS = {"alice": 400, "bob": 400}
+
+
+def blk(key, owner, nbytes=100, pinned=False, age=10.0):
+    return BlockUsage(key, nbytes, NOW - age, 0, pinned, None, 0, owner)
+
+
+def test_without_tenants_it_admits_evicts_waits_and_fails_as_before():
+    assert admit(100, 500, 0, 1000, [], NOW).action == ADMIT
+    d = admit(300, 900, 0, 1000, [blk("x", None, 200), blk("y", None, 100, pinned=True)], NOW)
+    assert (d.action, d.victims) == (ADMIT, ("x",))
+    assert admit(300, 900, 0, 1000, [blk("y", None, 900, pinned=True)], NOW, busy=True).action == WAIT
+    d = admit(300, 900, 0, 1000, [blk("y", None, 900, pinned=True)], NOW)
+    assert d.action == FAIL and "are pinned" in d.reason and "quota" not in d.reason
+    assert admit(1001, 0, 0, 1000, [], NOW).action == FAIL
+
+
+def test_another_tenant_cannot_take_the_quota_alice_does_not_use_yet():
+    # bob holds 500 B pinned; alice holds nothing: 400 B of the budget stay hers.
+    bob = [blk(f"b{i}", "bob", pinned=True) for i in range(5)]
+    t = Tenancy("bob", QUOTAS, {"bob": 500}, {})
+    d = admit(200, 500, 0, 1000, bob, NOW, tenancy=t)
+    assert d.action == FAIL and "quota" in d.reason  # 500 + 200 > 1000 - 400
+    assert admit(100, 500, 0, 1000, bob, NOW, tenancy=t).action == ADMIT  # 600 fits beside alice's 400
+    # alice's own task fits in what her quota kept free
+    assert admit(400, 500, 0, 1000, bob, NOW, tenancy=Tenancy("alice", QUOTAS, {"bob": 500}, {})).action == ADMIT
+
+
+def test_a_tenant_evicts_another_only_down_to_its_quota():
+    alice = [blk(f"a{i}", "alice", age=900) for i in range(6)]  # 600 B, the oldest: cheapest to evict
+    bob = [blk(f"b{i}", "bob", age=1) for i in range(3)]  # 300 B, unpinned
+    t = Tenancy("bob", QUOTAS, {"alice": 600, "bob": 300}, {})
+    d = admit(300, 900, 0, 1000, alice + bob, NOW, tenancy=t)
+    assert d.action == ADMIT and sum(v.startswith("a") for v in d.victims) <= 2  # alice keeps >= 400
+    d = admit(400, 900, 0, 1000, alice + [blk(f"b{i}", "bob", pinned=True) for i in range(3)], NOW, tenancy=t)
+    assert d.action == FAIL  # 200 of alice's may go, not 300: her quota is guaranteed
+
+
+def test_a_task_larger_than_what_the_others_quotas_leave_can_never_fit():
+    d = admit(700, 0, 0, 1000, [], NOW, tenancy=Tenancy("alice", QUOTAS, {}, {}))
+    assert d.action == FAIL and "other tenants' quotas" in d.reason
+    assert admit(600, 0, 0, 1000, [], NOW, tenancy=Tenancy("alice", QUOTAS, {}, {})).action == ADMIT
+
+
+def test_reserved_bytes_count_toward_a_tenants_quota():
+    # alice has 400 B promised to her running task: her quota is in use, bob may fill the rest
+    t = Tenancy("bob", QUOTAS, {}, {"alice": 400})
+    assert admit(600, 0, 400, 1000, [], NOW, tenancy=t).action == ADMIT
