@@ -1,7 +1,8 @@
 """What the KV page shows, as plain data: one snapshot of the KV scheduler plugin.
 
 ``collect`` reads the plugin through its operator views (counters, catalog rows, events)
-and, where present, its catalog's states; ``lineage_graph`` lays the states out as a
+and, where present, its catalog's states, and keeps what the viewer may see (``access``:
+totals for everyone, a namespace's detail for its tenant); ``lineage_graph`` lays the states out as a
 layered DAG. What each section shows is in ``kv_dashboard_view``, the HTML in
 ``templates/`` (rendered by ``kv_dashboard_render``), routes in ``kv_dashboard``.
 """
