@@ -114,7 +114,7 @@ def test_runtime_repr(rt, run):
     workers = rt.client.scheduler_info()["workers"]
     assert "tiny-llama (float32, cpu)" in page and f"<strong>Workers:</strong> {len(workers)}" in page
     assert all(w in page for w in workers)
-    held = sum(w["kv_bytes"] for w in rt._rpc("kv_snapshot")["workers"].values())
+    held = sum(w.kv_bytes for w in rt.view().workers.values())
     assert held > 0 and f"{format_bytes(held)} (no budget)" in page
     assert rt.client.dashboard_link in page
 

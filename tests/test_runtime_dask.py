@@ -363,8 +363,10 @@ def test_prefill_outputs_and_replicas_are_released(client, rt, workers):
     kids = rt.fork(root, 4)
     gens = rt.resume_many([(k, rt.encode(" Go.")) for k in kids[:2]], max_new_tokens=2, policy="recompute",
                           workers=[b])
-    gens += rt.resume_many([(k, rt.encode(" Go.")) for k in kids[2:]], max_new_tokens=2, policy="transfer")
-    assert {g.worker for g in gens} == {a, b} and "recompute" in {g.placement.action for g in gens}
+    # the blocks stay on a: b gets them by transfer (placed there, so no planner choice decides the path)
+    gens += rt.resume_many([(k, rt.encode(" Go.")) for k in kids[2:]], max_new_tokens=2, policy="transfer",
+                           workers=[b])
+    assert {g.worker for g in gens} == {b} and {g.placement.action for g in gens} == {"recompute", "transfer"}
     rt.wait([g.state for g in gens])
 
     def intermediates(dask_scheduler):

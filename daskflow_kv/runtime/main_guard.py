@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import multiprocessing
+import inspect
 import os
 import sys
 
@@ -65,7 +66,7 @@ def _reimport_frame():
     """The re-imported main module's top-level frame on this stack, in a spawned child; else None."""
     if multiprocessing.current_process().name == "MainProcess":
         return None
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
             return frame
@@ -89,7 +90,7 @@ def _main_script_rerun_by_children() -> str | None:
 
 def _top_level_frame(main):
     """The main module's ``<module>`` frame on this stack (where the call began), or None."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals is main.__dict__:
             return frame

@@ -1,7 +1,8 @@
 """What the KV page shows, as plain data: one snapshot of the KV scheduler plugin.
 
 ``collect`` reads the plugin through its operator views (counters, catalog rows, events)
-and, where present, its catalog's states; ``lineage_graph`` lays the states out as a
+and, where present, its catalog's states, and keeps what the viewer may see (``access``:
+totals for everyone, a namespace's detail for its tenant); ``lineage_graph`` lays the states out as a
 layered DAG. What each section shows is in ``kv_dashboard_view``, the HTML in
 ``templates/`` (rendered by ``kv_dashboard_render``), routes in ``kv_dashboard``.
 """
@@ -13,6 +14,7 @@ import math
 import time
 from collections import Counter, defaultdict
 
+from . import access
 from .metrics import COUNTERS, kv_plugin, metric_name, read_catalog, read_counters
 
 logger = logging.getLogger("daskflow_kv.dashboard")
@@ -87,42 +89,20 @@ def _fill_ranges(blocks: list[dict], tokens: int) -> None:
         prev_end = max(prev_end, b["end"])
 
 
-def collect(scheduler, focus: str | None = None) -> dict:
-    """Everything the page shows, as plain data (also served as ``/kv/api.json``)."""
-    plugin = kv_plugin(scheduler)
-    names = _worker_names(scheduler)
-    base = {
-        "available": plugin is not None,
-        "scheduler": getattr(scheduler, "address", ""),
-        "time": time.time(),
-        "focus": focus,
-        "metric_names": {c: metric_name(c) for c in COUNTERS},
-        "worker_names": names,
-    }
-    if plugin is None:
-        return base
-    snap = read_counters(plugin)
-    rows = read_catalog(plugin)
-    events = _events(plugin) or snap["events"]
-    counters = snap["counters"]
-
-    # -- states and their blocks ---------------------------------------------------------
+def _states(rows: list[dict], events: list[dict], cat_states: dict, names: dict, v: access.Viewer) -> dict:
+    """Every catalogued state (all namespaces) with its blocks, from rows, events and the catalog."""
     by_state: dict[str, list[dict]] = defaultdict(list)
-    block_rows: dict[str, dict] = {}
     for r in rows:
-        if r.get("block_key"):
-            block_rows.setdefault(r["block_key"], r)
         if r.get("state_id"):
             by_state[r["state_id"]].append(r)
     registered = {e.get("state_id"): e for e in events if e.get("op") in LIFECYCLE_OPS and "blocks" in e}
     # A block evicted and then dropped by Dask leaves the catalog ("forgotten" in its rows):
     # the event log still says why it went.
     evicted = {e.get("key"): e for e in events if e.get("op") == "evict" and e.get("key")}
-    cat_states = _catalog_states(plugin)
     states = {}
     for sid in list(cat_states) + [s for s in by_state if s not in cat_states]:
         st = cat_states.get(sid)
-        order = {k: i for i, k in enumerate(getattr(st, "block_keys", None) or ())}
+        order = {access.cut_key(k, v): i for i, k in enumerate(getattr(st, "block_keys", None) or ())}
         brs = sorted(by_state.get(sid, []), key=lambda r: (order.get(r.get("block_key"), len(order)),
                                                           r.get("token_start", 0), r.get("token_end", 0)))
         first = brs[0] if brs else {}
@@ -156,6 +136,7 @@ def collect(scheduler, focus: str | None = None) -> dict:
         worker = getattr(st, "worker", None) or reg.get("worker")
         states[sid] = {
             "state_id": sid,
+            "namespace": getattr(st, "namespace", None) or first.get("namespace") or reg.get("namespace"),
             "op": getattr(st, "op", None) or first.get("state_op") or reg.get("op", ""),
             "parents": list(parents),
             "worker": worker,
@@ -179,10 +160,22 @@ def collect(scheduler, focus: str | None = None) -> dict:
         for b in s["blocks"]:
             b["producer"] = b["producer"] or first_holder.get(b["key"], "")
         s["new_blocks"] = sum(1 for b in s["blocks"] if b["producer"] == s["state_id"])
-    listed = {b["key"] for s in states.values() for b in s["blocks"]}
-    orphans = [r for k, r in block_rows.items() if k not in listed]
+    return states
 
-    # -- workers against the budget --------------------------------------------------------
+
+def _shown(states: dict, v: access.Viewer) -> dict:
+    """The states ``v`` sees; a user's never name another namespace's state (parent, producer)."""
+    shown = {sid: s for sid, s in states.items() if v.sees(s["namespace"])}
+    if v.role != "admin":
+        for s in shown.values():
+            s["parents"] = [p for p in s["parents"] if p in shown]
+            for b in s["blocks"]:
+                b["producer"] = b["producer"] if b["producer"] in shown else ""
+    return shown
+
+
+def _workers(scheduler, snap: dict, block_rows: dict, states: dict, names: dict) -> list[dict]:
+    """KV bytes per worker against the budget, with the blocks and live states it holds (totals)."""
     budget = snap["kv_budget_bytes"]
     kv_bytes = dict(snap["kv_bytes"])
     for addr in getattr(scheduler, "workers", {}):
@@ -193,7 +186,7 @@ def collect(scheduler, focus: str | None = None) -> dict:
             if w:
                 in_memory[w] += 1
     live_on = Counter(s["worker"] for s in states.values() if s["status"] == "live")
-    workers = [
+    return [
         {
             "address": addr,
             "name": names.get(addr, addr),
@@ -206,20 +199,60 @@ def collect(scheduler, focus: str | None = None) -> dict:
         for addr, nbytes in sorted(kv_bytes.items(), key=lambda kv: names.get(kv[0], kv[0]))
     ]
 
+
+def collect(scheduler, focus: str | None = None, viewer: access.Viewer | None = None) -> dict:
+    """Everything ``viewer`` may see, as plain data (also served as ``/kv/api.json``).
+
+    Totals for everyone (counters, KV bytes per worker, states and blocks by status); the
+    states, lineage, decisions and events only of the namespaces ``viewer`` sees (none for
+    an anonymous browser while tenants are configured). ``viewer`` None: a browser that has
+    not logged in (everything when no tenants are configured).
+    """
+    plugin = kv_plugin(scheduler)
+    v = access.viewer(plugin) if viewer is None else viewer
+    names = _worker_names(scheduler)
+    base = {
+        "available": plugin is not None,
+        "scheduler": getattr(scheduler, "address", ""),
+        "time": time.time(),
+        "focus": focus if v.detail else None,
+        "viewer": v.as_dict(),
+        "metric_names": {c: metric_name(c) for c in COUNTERS},
+        "worker_names": names,
+    }
+    if plugin is None:
+        return base
+    snap = read_counters(plugin)
+    rows = access.cut_rows(read_catalog(plugin), v)
+    events = [access.cut_entry(e, v) for e in _events(plugin) or snap["events"]]
+    states = _states(rows, events, _catalog_states(plugin), names, v)
+    block_rows: dict[str, dict] = {}
+    for r in rows:
+        if r.get("block_key"):
+            block_rows.setdefault(r["block_key"], r)
+    listed = {b["key"] for s in states.values() for b in s["blocks"]}
+    orphans = [r for k, r in block_rows.items() if k not in listed]
+
     out = dict(base)
-    out.update(
-        counters=counters,
-        kv_budget_bytes=budget,
-        workers=workers,
-        states=sorted(states.values(), key=lambda s: s["created"], reverse=True),
-        orphan_blocks={"count": len(orphans), "nbytes": sum(r.get("nbytes", 0) for r in orphans)},
+    out.update(  # totals: every browser sees these
+        counters=snap["counters"],
+        kv_budget_bytes=snap["kv_budget_bytes"],
+        workers=_workers(scheduler, snap, block_rows, states, names),
+        state_status=dict(Counter(s["status"] for s in states.values())),
         block_status=dict(Counter(r.get("status", "") for r in block_rows.values())),
         block_tiers=dict(Counter(r.get("tier") or "none" for r in block_rows.values())),
-        lineage=lineage_graph(states, events, {b["key"]: {"lineage_state": b["producer"]} for s in states.values()
-                                               for b in s["blocks"]}, focus),
-        decisions=list(reversed(snap["decisions"]))[:MAX_DECISIONS],
-        events=_grouped_events(events)[:MAX_EVENTS],
+        orphan_blocks={"count": len(orphans), "nbytes": sum(r.get("nbytes", 0) for r in orphans)},
     )
+    if v.detail:  # the namespaces this viewer sees
+        shown = _shown(states, v)
+        mine = access.visible(events, v)
+        out.update(
+            states=sorted(shown.values(), key=lambda s: s["created"], reverse=True),
+            lineage=lineage_graph(shown, mine, {b["key"]: {"lineage_state": b["producer"]} for s in shown.values()
+                                                for b in s["blocks"]}, focus),
+            decisions=list(reversed(access.visible(snap["decisions"], v)))[:MAX_DECISIONS],
+            events=_grouped_events(mine)[:MAX_EVENTS],
+        )
     return _jsonable(out)
 
 

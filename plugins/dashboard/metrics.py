@@ -25,6 +25,12 @@ page's counters with a ``daskflow_kv_`` prefix:
 ``daskflow_kv_blocks{status}``         catalogued blocks by status (memory, evicted, ...)
 ====================================  ======================================================
 
+No series names a namespace unless the operator sets ``daskflow-kv.dashboard.tenant-labels``
+(a tenant's name is not for whoever can scrape the port); then three more come with a
+``namespace`` label: ``daskflow_kv_tenant_states{namespace,status}``,
+``daskflow_kv_tenant_blocks{namespace,status}`` and ``daskflow_kv_tenant_bytes{namespace}``
+(KV bytes workers hold for the namespace's blocks, each copy counted).
+
 One collector is registered in ``prometheus_client.REGISTRY`` per process, while at least
 one scheduler has installed it (``install`` / ``uninstall``, reference counted, so several
 schedulers in one process never register the same names twice). Which scheduler it
@@ -37,6 +43,7 @@ own collectors do).
 from __future__ import annotations
 
 import contextvars
+import importlib.util
 import logging
 import math
 import re
@@ -44,7 +51,7 @@ import threading
 import weakref
 from collections import Counter
 
-from daskflow_kv import keys
+from daskflow_kv import config, keys
 
 logger = logging.getLogger("daskflow_kv.metrics")
 
@@ -68,6 +75,13 @@ COUNTERS = {
     "store_bytes_read": ("KV bytes loaded from the persistent store", "counter"),
     "store_corrupt": ("Stored KV objects that failed verification and were recomputed", "counter"),
 }
+
+# Series naming a namespace, only with daskflow-kv.dashboard.tenant-labels: (name, help, labels).
+TENANT_FAMILIES = (
+    ("tenant_states", "Catalogued KV states by namespace and status", ["namespace", "status"]),
+    ("tenant_blocks", "Catalogued KV blocks by namespace and status", ["namespace", "status"]),
+    ("tenant_bytes", "KV bytes workers hold for a namespace's blocks (each copy counted)", ["namespace"]),
+)
 
 _current_scheduler: contextvars.ContextVar = contextvars.ContextVar("daskflow_kv_metrics_scheduler", default=None)
 
@@ -152,6 +166,28 @@ def status_counts(plugin, rows: list[dict] | None = None) -> tuple[Counter, Coun
     return Counter(states.values()), Counter(blocks.values())
 
 
+def tenant_counts(rows: list[dict]) -> tuple[Counter, Counter, Counter]:
+    """Per namespace: (states by (namespace, status), blocks by (namespace, status), KV bytes
+    workers hold by namespace, each copy counted); one count per id."""
+    states, blocks = {}, {}
+    for r in rows:
+        ns = str(r.get("namespace") or "")
+        if r.get("state_id"):
+            states[r["state_id"]] = (ns, r.get("state_status") or "live")
+        if r.get("block_key"):
+            blocks[r["block_key"]] = (ns, r.get("status") or "unknown", int(_num(r.get("nbytes"))),
+                                      len([w for w in str(r.get("workers") or "").split(",") if w]))
+    held = Counter()
+    for ns, _, nbytes, copies in blocks.values():
+        held[ns] += nbytes * copies
+    return Counter(states.values()), Counter((ns, st) for ns, st, _, _ in blocks.values()), held
+
+
+def tenant_labels() -> bool:
+    """Whether /metrics names namespaces (``daskflow-kv.dashboard.tenant-labels``; off by default)."""
+    return bool(config.get("dashboard.tenant-labels"))
+
+
 # -- the collector ---------------------------------------------------------------------------
 class KVMetricsCollector:
     """A prometheus_client collector for the KV plugin of the scheduler being served."""
@@ -190,6 +226,8 @@ class KVMetricsCollector:
         yield GaugeMetricFamily(PREFIX + "worker_budget_bytes", "Per-worker KV byte budget")
         yield GaugeMetricFamily(PREFIX + "states", "Catalogued KV states by status", labels=["status"])
         yield GaugeMetricFamily(PREFIX + "blocks", "Catalogued KV blocks by status", labels=["status"])
+        for fam, doc, labels in TENANT_FAMILIES:
+            yield GaugeMetricFamily(PREFIX + fam, doc, labels=labels)
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -211,13 +249,20 @@ class KVMetricsCollector:
         if snap["kv_budget_bytes"] is not None:
             yield GaugeMetricFamily(PREFIX + "worker_budget_bytes", "Per-worker KV byte budget",
                                     value=snap["kv_budget_bytes"])
-        states, blocks = status_counts(plugin)
+        rows = read_catalog(plugin)
+        states, blocks = status_counts(plugin, rows)
         for fam, counts, doc in (("states", states, "Catalogued KV states by status"),
                                  ("blocks", blocks, "Catalogued KV blocks by status")):
             g = GaugeMetricFamily(PREFIX + fam, doc, labels=["status"])
             for status, n in sorted(counts.items()):
                 g.add_metric([status], n)
             yield g
+        if tenant_labels():  # the operator chose to name namespaces here
+            for (fam, doc, labels), counts in zip(TENANT_FAMILIES, tenant_counts(rows)):
+                g = GaugeMetricFamily(PREFIX + fam, doc, labels=labels)
+                for label, n in sorted(counts.items()):
+                    g.add_metric(list(label) if isinstance(label, tuple) else [label], n)
+                yield g
 
 
 _lock = threading.Lock()
@@ -225,11 +270,7 @@ _collector: KVMetricsCollector | None = None
 
 
 def prometheus_available() -> bool:
-    try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("prometheus_client") is not None
 
 
 def install(scheduler) -> bool:

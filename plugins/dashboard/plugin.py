@@ -13,8 +13,15 @@ server (the one serving Dask's dashboard and ``/metrics``):
   ``daskflow-kv.dashboard.refresh`` (2 s by default). Its markup is in ``templates/``.
 * ``/kv/api.json``: the same data as JSON (``?html=1`` adds the page's rendered sections).
 * ``/kv/catalog.arrow`` (Arrow IPC stream) and ``/kv/catalog.parquet``: the catalog table.
+* ``/kv/login``, ``/kv/login/challenge``, ``/kv/logout``: a browser's login as a tenant
+  (``login``).
 * ``/metrics``: Dask's handler, with the KV metrics of ``kv_metrics`` added for the
-  scheduler it serves.
+  scheduler it serves (namespaces only with ``daskflow-kv.dashboard.tenant-labels``).
+
+With tenants configured, what each route shows depends on who asks (``access``): a browser
+that has not logged in gets totals only; a tenant that logged in, its own namespace's
+detail; the admin role, every namespace's. Keys are cut short. With no tenants, everyone
+sees everything.
 
 "KV" is added to the dashboard's navigation bar (and its "More..." menu), next to Dask's
 own pages, when the Bokeh dashboard runs; the routes are listed in ``/sitemap.json`` too.
@@ -35,74 +42,67 @@ import json
 import logging
 
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.http.utils import RequestHandler
 from tornado.routing import PathMatches
 
+from . import access
 from . import metrics as kv_metrics
 from .data import collect
-from .render import PAGE, render_page, render_sections
+from .login import KVChallengeHandler, KVLoginHandler, KVLogoutHandler
 from .metrics import kv_plugin, read_catalog
+from .render import PAGE, render_page, render_sections
+from .request import KVHandler, nav
+from .session import Logins
 
 logger = logging.getLogger("daskflow_kv.dashboard")
 
 PLUGIN_NAME = "daskflow-kv-dashboard"
 
 
-def _nav(scheduler) -> list[tuple[str, str]]:
-    """Dask's navigation bar entries (when its Bokeh dashboard runs), then Info and KV."""
-    pages = []
-    try:
-        from distributed.dashboard.scheduler import template_variables
-
-        pages = [p for p in template_variables(scheduler)["pages"] if p != PAGE]
-    except Exception:  # noqa: BLE001 -- no Bokeh: Dask serves only the HTML info pages
-        pages = ["info"]
-    return [(p, p.title()) for p in pages] + [(PAGE, "KV")]
-
-
-class _KVHandler(RequestHandler):
-    def prefix(self) -> str:
-        return self.extra.get("prefix", "/")
-
-
-class KVPageHandler(_KVHandler):
+class KVPageHandler(KVHandler):
     def get(self):
-        focus = self.get_argument("state", None) or None
-        d = collect(self.server, focus)
+        d = collect(self.server, self.get_argument("state", None) or None, self.viewer())
         self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.set_header("Cache-Control", "no-store")
-        self.write(render_page(d, self.prefix(), _nav(self.server)))
+        self.write(render_page(d, self.prefix(), nav(self.server)))
 
 
-class KVApiHandler(_KVHandler):
+class KVApiHandler(KVHandler):
     def get(self):
-        focus = self.get_argument("state", None) or None
-        d = collect(self.server, focus)
+        d = collect(self.server, self.get_argument("state", None) or None, self.viewer())
         if self.get_argument("html", None):
             d["html"] = render_sections(d)
         self.set_header("Content-Type", "application/json")
-        self.set_header("Cache-Control", "no-store")
         self.write(json.dumps(d, default=str))
 
 
-def catalog_table(scheduler):
-    """The KV catalog of ``scheduler`` as a pyarrow Table (empty, with the schema, when none)."""
+def catalog_table(scheduler, viewer: access.Viewer | None = None):
+    """The KV catalog of ``scheduler`` as ``viewer`` may see it, a pyarrow Table.
+
+    Everything with no tenants configured; a logged-in tenant's own rows (an admin's: all),
+    keys cut short; for anonymous, only block counts and bytes by status and tier
+    (``access.totals_table``). Empty, with the schema, while the KV plugin is not loaded.
+    """
     from daskflow_kv.state.catalog import rows_to_arrow
 
     plugin = kv_plugin(scheduler)
-    if plugin is not None and hasattr(plugin, "catalog_table"):
+    v = access.viewer(plugin) if viewer is None else viewer
+    if plugin is None:
+        return rows_to_arrow([])
+    if not v.detail:
+        return access.totals_table(read_catalog(plugin))
+    if not v.tenants and hasattr(plugin, "catalog_table"):
         try:
             return plugin.catalog_table()
         except Exception:  # a plugin mid-refactor: build the table from the rows
             logger.exception("daskflow-kv: catalog_table failed; building it from the rows")
-    return rows_to_arrow(read_catalog(plugin) if plugin is not None else [])
+    rows = access.cut_rows(read_catalog(plugin), v)
+    return rows_to_arrow([r for r in rows if v.sees(r.get("namespace"))])
 
 
-class KVArrowHandler(_KVHandler):
+class KVArrowHandler(KVHandler):
     def get(self):
         import pyarrow as pa
 
-        table = catalog_table(self.server)
+        table = catalog_table(self.server, self.viewer())
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as w:
             w.write_table(table)
@@ -111,12 +111,12 @@ class KVArrowHandler(_KVHandler):
         self.write(sink.getvalue().to_pybytes())
 
 
-class KVParquetHandler(_KVHandler):
+class KVParquetHandler(KVHandler):
     def get(self):
         import pyarrow.parquet as pq
 
         buf = io.BytesIO()
-        pq.write_table(catalog_table(self.server), buf)
+        pq.write_table(catalog_table(self.server, self.viewer()), buf)
         self.set_header("Content-Type", "application/vnd.apache.parquet")
         self.set_header("Content-Disposition", 'attachment; filename="kv-catalog.parquet"')
         self.write(buf.getvalue())
@@ -164,21 +164,28 @@ class KVDashboardPlugin(SchedulerPlugin):
     def __init__(self, metrics: bool = True):
         self.metrics = metrics  # report the KV metrics under /metrics
         self.scheduler = None
+        self.logins: Logins | None = None  # browsers' logins: cookie key and challenges (made in start)
         self._rule = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
+        # Made here, in the scheduler's process: a key made in __init__ would be pickled by the
+        # client that registers the plugin, which could then sign its own cookies.
+        self.logins = Logins()
         app = getattr(scheduler, "http_application", None)
         if app is None:  # a scheduler started without its HTTP server
             logger.info("daskflow-kv dashboard: the scheduler has no HTTP server")
             return
         prefix = _http_prefix(scheduler)
-        kw = {"dask_server": scheduler, "extra": {"prefix": prefix}}
+        kw = {"dask_server": scheduler, "extra": {"prefix": prefix, "logins": self.logins}}
         routes = [
             (rf"{prefix}{PAGE}/?", KVPageHandler, kw),
             (rf"{prefix}{PAGE}/api\.json", KVApiHandler, kw),
             (rf"{prefix}{PAGE}/catalog\.arrow", KVArrowHandler, kw),
             (rf"{prefix}{PAGE}/catalog\.parquet", KVParquetHandler, kw),
+            (rf"{prefix}{PAGE}/login/?", KVLoginHandler, kw),
+            (rf"{prefix}{PAGE}/login/challenge", KVChallengeHandler, kw),
+            (rf"{prefix}{PAGE}/logout", KVLogoutHandler, kw),
         ]
         if self.metrics and kv_metrics.install(scheduler):
             handler = kv_metrics.prometheus_handler_class()

@@ -5,6 +5,7 @@
 ``kv_events.html``), included by the page and rendered alone for ``/kv/api.json?html=1``,
 which the page's script polls to refresh them in place. ``kv.css`` and ``kv.js`` are inlined:
 the page is self-contained (no external scripts, styles or fonts: clusters are often offline).
+``kv_login.html`` (with ``kv_login.js``) is the login form of ``/kv/login``.
 
 The environment is built like ``dask.widgets``' (a loader over the package's template
 folder and a dict of filters), with autoescaping on: state ids, worker names and event
@@ -66,3 +67,9 @@ def render_page(d: dict, prefix: str = "/", nav: list[tuple[str, str]] | None = 
     if ctx["available"]:
         ctx.update(view.sections(d))
     return environment().get_template("kv.html").render(ctx)
+
+
+def render_login(ctx: dict) -> str:
+    """The login page (context: ``login.KVLoginHandler.form``; ``nav`` as (url, label) pairs)."""
+    ctx = dict(ctx, nav=view.nav_items(ctx["prefix"], ctx["nav"], PAGE + "/login"))
+    return environment().get_template("kv_login.html").render(ctx)

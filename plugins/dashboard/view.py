@@ -181,6 +181,16 @@ def _state(s: dict, newest: bool, names: dict) -> dict:
     )
 
 
+def _totals(d: dict) -> dict:
+    """States and blocks counted by status: what a browser that has not logged in sees."""
+    ss, bs = d.get("state_status") or {}, d.get("block_status") or {}
+    return {
+        "states": sum(ss.values()), "blocks": sum(bs.values()),
+        "state_chips": [chip(f"{k} {v}", STATUS_COLORS.get(k, OTHER)) for k, v in sorted(ss.items())],
+        "block_chips": [chip(f"{k} {v}", STATUS_COLORS.get(k, OTHER)) for k, v in sorted(bs.items())],
+    }
+
+
 def states(d: dict) -> dict:
     ss = d.get("states") or []
     names = d.get("worker_names") or {}
@@ -189,6 +199,7 @@ def states(d: dict) -> dict:
         "rows": [_state(s, i == 0, names) for i, s in enumerate(ss[:MAX_STATES])],
         "more": max(len(ss) - MAX_STATES, 0),  # older states not listed
         "orphans": ob if ob.get("count") else None,  # cached blocks no state lists
+        "totals": _totals(d),
     }
 
 
@@ -256,17 +267,29 @@ SECTIONS = {
 }
 
 
+def viewer(d: dict) -> dict:
+    """Who is looking (``access.Viewer.as_dict``), and the name the page greets them by."""
+    v = d.get("viewer") or {"role": "admin", "namespace": None, "tenants": False, "detail": True}
+    return dict(v, name=v.get("namespace") or "")
+
+
 def sections(d: dict) -> dict:
-    """Every section's view, by section name (the templates' ``kv_<name>.html``)."""
-    return {name: f(d) for name, f in SECTIONS.items()}
+    """Every section's view, by section name (the templates' ``kv_<name>.html``), and the viewer."""
+    return {name: f(d) for name, f in SECTIONS.items()} | {"viewer": viewer(d)}
+
+
+def nav_items(prefix: str, nav: list[tuple[str, str]], current: str) -> list[dict]:
+    """The navigation bar's links (``kv_macros.navbar``)."""
+    return [{"href": prefix + url, "label": label, "active": url == current} for url, label in nav]
 
 
 def page(d: dict, prefix: str, nav: list[tuple[str, str]], current: str, refresh_s: float) -> dict:
-    """The page around the sections: navigation, links, legends."""
+    """The page around the sections: navigation, links, legends, who is looking."""
     return {
         "available": bool(d.get("available")),
+        "viewer": viewer(d),
         "prefix": prefix,
-        "nav": [{"href": prefix + url, "label": label, "active": url == current} for url, label in nav],
+        "nav": nav_items(prefix, nav, current),
         "scheduler": str(d.get("scheduler", "")),
         "time": d["time"],
         "refresh_s": refresh_s,  # shown on the page
