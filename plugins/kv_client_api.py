@@ -125,7 +125,7 @@ class ClientHandlers:
 
     async def handle_login(self, namespace: str = "", nonce: str | None = None, proof: str | None = None) -> dict:
         """A session for the client whose stream sent ``nonce`` back (``BIND_OP``)."""
-        s = await self._tenants.login(namespace, nonce, proof)
+        s = await self._tenants.login_client(namespace, nonce, proof)
         return {"session": s.token, "namespace": s.namespace, "role": s.role, "open": self._tenants.open}
 
     def _own(self, key, s: Session) -> bool:

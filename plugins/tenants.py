@@ -154,34 +154,52 @@ class TenantRegistry:
         c.bound.set()
         return True
 
-    async def login(self, namespace: str, nonce: str | None = None, proof: str | None = None) -> Session:
-        """A session for ``namespace`` if ``proof`` answers ``nonce`` with its secret and the
-        nonce came back on a client's stream (the client the session is bound to)."""
+    def _verify(self, namespace, nonce, proof) -> tuple[str, Challenge]:
+        """(role, challenge) when ``proof`` answers the unexpired challenge ``nonce`` with
+        ``namespace``'s secret (open: anyone, as admin); the challenge is used up either way."""
+        c = self._challenges.pop(nonce, None) if isinstance(nonce, str) else None  # one answer per challenge
+        if not isinstance(namespace, str):
+            raise AccessDenied(f"login refused: a namespace is a string, not {namespace!r}")
+        if self.open:
+            if c is None or c.expires <= time.monotonic():
+                raise AccessDenied("login refused: the challenge expired or was answered already")
+            self._tags.setdefault(namespace_tag(namespace), namespace)
+            return "admin", c
+        known = self._tenants.get(namespace)
+        live = c is not None and c.expires > time.monotonic()
+        expected = login_proof(known.secret, nonce, namespace) if (known and live) else None
+        if expected is None or not isinstance(proof, str) or not hmac.compare_digest(expected, proof):
+            # One message for every failure: an unknown namespace looks like a wrong secret.
+            raise AccessDenied(f"login to namespace {namespace!r} refused: unknown namespace, wrong secret "
+                               "or expired challenge (set daskflow-kv.secret to the namespace's secret)")
+        return known.role, c
+
+    def login(self, namespace: str, nonce: str | None = None, proof: str | None = None,
+              client: str | None = None) -> Session:
+        """Check a proof only (the dashboard's browser logins): the session it returns is bound to
+        no client stream, so no ``kv_*`` call accepts it; end it with ``end_client(client)``."""
+        role, _ = self._verify(namespace, nonce, proof)
+        return self._add(Session(secrets.token_hex(16), namespace, role, client or "", None,
+                                 time.monotonic() + self._session_ttl))
+
+    async def login_client(self, namespace: str, nonce: str | None = None, proof: str | None = None) -> Session:
+        """``kv_login``: a session for ``namespace`` if ``proof`` answers ``nonce`` with its secret
+        and the nonce came back on a client's stream (``bind``), the client it is bound to."""
         c = self._challenges.get(nonce) if isinstance(nonce, str) else None
         if c is not None and not c.bound.is_set():
             try:
                 await asyncio.wait_for(c.bound.wait(), max(0.0, min(BIND_WAIT, c.expires - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
-        c = self._challenges.pop(nonce, None) if isinstance(nonce, str) else None  # one answer per challenge
-        if c is None or not c.bound.is_set() or not di.connection_open(c.connection):
-            raise AccessDenied("login refused: the challenge expired or never came back on this client's own "
-                               "stream (log in with daskflow_kv.runtime.session.login)")
-        if not isinstance(namespace, str):
-            raise AccessDenied(f"login refused: a namespace is a string, not {namespace!r}")
-        if self.open:
-            role = "admin"
-            self._tags.setdefault(namespace_tag(namespace), namespace)
-        else:
-            known = self._tenants.get(namespace)
-            expected = login_proof(known.secret, nonce, namespace) if known else None
-            if expected is None or not isinstance(proof, str) or not hmac.compare_digest(expected, proof):
-                # One message for every failure: an unknown namespace looks like a wrong secret.
-                raise AccessDenied(f"login to namespace {namespace!r} refused: unknown namespace, wrong secret "
-                                   "or expired challenge (set daskflow-kv.secret to the namespace's secret)")
-            role = known.role
-        session = Session(secrets.token_hex(16), namespace, role, c.client, c.connection,
-                          time.monotonic() + self._session_ttl)
+        role, c = self._verify(namespace, nonce, proof)
+        if not c.bound.is_set() or not di.connection_open(c.connection):
+            raise AccessDenied("login refused: the challenge never came back on this client's own stream "
+                               "(log in with daskflow_kv.runtime.session.login)")
+        return self._add(Session(secrets.token_hex(16), namespace, role, c.client, c.connection,
+                                 time.monotonic() + self._session_ttl))
+
+    def _add(self, session: Session) -> Session:
+        """Keep ``session``; a client's oldest sessions end past ``MAX_SESSIONS_PER_CLIENT``."""
         mine = [s for s in self._sessions.values() if s.client == session.client]
         for old in sorted(mine, key=lambda s: s.expires)[: max(0, len(mine) + 1 - MAX_SESSIONS_PER_CLIENT)]:
             self._sessions.pop(old.token, None)
