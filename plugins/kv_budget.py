@@ -249,12 +249,12 @@ class BudgetEnforcer:
     def _evict(self, addr: str, keys, stimulus: str) -> None:
         for key in keys:
             ts = self._scheduler.tasks[key]
+            namespace = self._catalog.namespace_of(key)  # before the release: a forgotten block leaves the catalog
             if len(ts.who_has or ()) > 1:  # drop this worker's replica only
                 di.drop_replica(self._scheduler, addr, [key], stimulus)
             else:
                 self._evicting.add(key)
                 di.unwant(self._scheduler, [key], CACHE_CLIENT, stimulus)
-            namespace = self._catalog.namespace_of(key)
             self._catalog.count("evictions", namespace=namespace)
             self._catalog.count("bytes_evicted", ts.get_nbytes(), namespace)
             self._events.record("evict", namespace, key=key, worker=addr, nbytes=ts.get_nbytes())

@@ -99,9 +99,9 @@ class KeyOwnership:
             return
         owner = self._tenants.namespace_of_key(key)
         if session is None:
-            whose = f"namespace {owner!r}" if owner else "no namespace"
-            raise AccessDenied(f"task {short_key(key)} refused: its key is {whose}'s and this client holds no "
-                               "session of it (only a namespace's own tasks compute its keys)")
+            whose = f"namespace {owner!r}" if owner else "no configured namespace"
+            raise AccessDenied(f"task {short_key(key)} refused: its key belongs to {whose} and this client holds "
+                               "no session of it (only a namespace's own tasks compute its keys)")
         listed = self._catalog.namespace_of(key)
         if listed is not None and listed != session.namespace:
             raise AccessDenied(f"task {short_key(key)} refused: the key is cataloged for another namespace")
