@@ -48,7 +48,8 @@ class StoreReader:
         store = self.tier.store
         if store is None:
             return held
-        chain = chain_keys(self.key_digest, tokens, self.block_size)  # the last one may be partial
+        chain = chain_keys(self.key_digest, tokens, self.block_size,  # the last one may be partial
+                           namespace=self.submitter.namespace)
         mem = 0  # leading blocks memory matched by their own chain key
         while mem < min(len(held.blocks), len(chain)) and held.blocks[mem].key == chain[mem][0]:
             mem += 1
