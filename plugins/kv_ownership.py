@@ -81,8 +81,8 @@ class KeyOwnership:
                 continue
             session = self._tenants.session_for(connection, key)
             try:
-                note = None if key not in notes else parse_note(key, notes[key])
                 self._check(key, session)
+                note = None if key not in notes else parse_note(key, notes[key])
             except (ValueError, AccessDenied) as e:
                 refused[str(e)].append(key)
                 continue

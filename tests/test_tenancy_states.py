@@ -1,0 +1,109 @@
+"""Issue 22, item 3: the second tenant at ``kv_register_states``.
+
+Bob re-registers alice's live state id (to release it himself, and stop her from doing
+so), lists alice's block keys in a state of his own (to have his scoped catalog return her
+rows), and picks how long the scheduler polls for him. Each is refused: a state id is
+registered once, by its namespace; a state lists only its own namespace's blocks; the
+wait is the server's (``daskflow-kv.scheduler.register-wait``), woken as graphs arrive,
+not a caller-chosen 2 ms busy poll. Alice still releases her state; bob's catalog never
+shows her. A real 2-worker cluster, tenants configured as in ``tests/test_tenancy.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from daskflow_kv.keys import block_key
+from daskflow_kv.plugins.tenants import AccessDenied
+from tenancy_kit import PROMPT, SUFFIX, runtime, tenant_cluster, text_tokens
+
+REGISTER_WAIT = 1.5  # s: the server's bound, set for this cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with tenant_cluster(**{"scheduler.register-wait": f"{REGISTER_WAIT}s"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def alice(cluster):
+    rt = runtime(cluster, "alice")
+    yield rt
+    rt.client.close()
+
+
+@pytest.fixture(scope="module")
+def bob(cluster):
+    rt = runtime(cluster, "bob")
+    yield rt
+    rt.client.close()
+
+
+@pytest.fixture(scope="module")
+def record(alice):
+    state = alice.materialize(alice.encode(PROMPT))
+    alice.wait([state])
+    return state
+
+
+def _register(rt, metas, **kw):
+    return rt.client.sync(rt.client.scheduler.kv_register_states, session=rt.session.token, metas=metas, **kw)
+
+
+def _meta(state_id, keys, **kw):
+    return {"state_id": state_id, "block_keys": list(keys), "op": "materialize", "parents": [], "tokens": 16, **kw}
+
+
+def test_bob_cannot_re_register_alices_state_id(alice, bob, record):
+    with pytest.raises(AccessDenied, match="already registered by another namespace"):
+        _register(bob, [_meta(record.state_id, [])])
+    with pytest.raises(AccessDenied, match="not one of namespace 'bob'"):  # so he cannot release it either
+        bob.client.sync(bob.client.scheduler.kv_release_state, session=bob.session.token, state_id=record.state_id)
+    rows = [r for r in alice.catalog().to_pylist() if r["state_id"] == record.state_id]
+    assert rows and {r["namespace"] for r in rows} == {"alice"} and {r["state_status"] for r in rows} == {"live"}
+    with pytest.raises(AccessDenied, match="already registered$"):  # nor alice twice: once, by one namespace
+        _register(alice, [_meta(record.state_id, record.state.block_keys)])
+
+
+def test_bob_cannot_list_alices_blocks_in_a_state_of_his(alice, bob, record):
+    with pytest.raises(AccessDenied, match="only its own namespace's blocks"):
+        _register(bob, [_meta("kvstate-materialize-b0b0b0b0b0b0", record.state.block_keys)])
+    mixed = [block_key("4" * 32, "bob"), record.state.block_keys[0]]
+    with pytest.raises(AccessDenied, match="only its own namespace's blocks"):
+        _register(bob, [_meta("kvstate-materialize-b0b0b0b0b0b1", mixed)])
+    assert not [r for r in bob.catalog().to_pylist() if r["block_key"] in record.state.block_keys]
+    assert "kvstate-materialize-b0b0b0b0b0b0" not in {r["state_id"] for r in alice.catalog().to_pylist()}
+
+
+def test_the_wait_is_the_servers(bob):
+    with pytest.raises(TypeError, match="timeout"):  # the caller no longer chooses it
+        _register(bob, [_meta("kvstate-materialize-b0b0b0b0b0b2", [])], timeout=3600)
+    never = [block_key("5" * 32, "bob")]  # a block of his whose task never comes
+    t0 = time.monotonic()
+    _register(bob, [_meta("kvstate-materialize-b0b0b0b0b0b3", never)])
+    waited = time.monotonic() - t0
+    assert REGISTER_WAIT - 0.1 <= waited < REGISTER_WAIT + 2.0
+
+
+def test_registration_waits_for_blocks_submitted_just_before(alice):
+    """The client's graphs travel on its stream, its registration over RPC: the server waits for
+    the graph, woken as it arrives (a materialize registers its state right after submitting)."""
+    t0 = time.monotonic()
+    state = alice.materialize(alice.encode(PROMPT + SUFFIX))
+    assert time.monotonic() - t0 < REGISTER_WAIT + 30
+    listed = {r["block_key"] for r in alice.catalog().to_pylist() if r["state_id"] == state.state_id}
+    assert listed == set(state.state.block_keys)
+
+
+def test_alice_still_releases_her_state_and_reuses_her_cache(alice, record):
+    alice.release(record)
+    rows = [r for r in alice.catalog().to_pylist() if r["state_id"] == record.state_id]
+    assert {r["state_status"] for r in rows} <= {"released"}
+    tokens = list(record.tokens)
+    again = alice.materialize(tokens)
+    assert again.state.lineage[-1].as_dict()["tokens_computed"] == 0  # her cached blocks, still hers
+    gen = alice.resume(again, alice.encode(SUFFIX), max_new_tokens=8)
+    assert gen.tokens == text_tokens(alice, tokens + alice.encode(SUFFIX))
