@@ -29,11 +29,15 @@ BLOCK = 16
 
 @contextlib.contextmanager
 def tenant_cluster(tenants=TENANTS, n_workers: int = 2, **settings):
-    """A local cluster whose scheduler lists ``tenants``; ``settings``: more daskflow-kv.* keys."""
+    """A local cluster whose scheduler lists ``tenants``; ``settings``: more daskflow-kv.* keys.
+
+    The settings apply while the cluster starts (its plugin reads them then), not after:
+    another cluster started later in the same process has its own."""
     extra = {f"daskflow-kv.{k}": v for k, v in settings.items()}
     with dask.config.set({"daskflow-kv.tenants": tenants, **extra}):
-        with local_cluster(n_workers=n_workers, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster:
-            yield cluster
+        cluster = local_cluster(n_workers=n_workers, threads_per_worker=1, dashboard_address="127.0.0.1:0")
+    with cluster:
+        yield cluster
 
 
 def runtime(cluster, namespace: str, tenants=TENANTS, **kw) -> KVRuntime:
