@@ -319,6 +319,19 @@ def test_worker_handlers_reached_from_a_task_thread(client, workers):
     assert got == {"echo": 7, "at": b}
 
 
+def test_the_scheduler_reaches_a_workers_own_handler_and_a_task_knows_its_key(client, workers):
+    """call_worker_from_scheduler (the report token goes to the worker's own address) and
+    running_task_key (a prefill's timing names its task's namespace tag)."""
+    client.run(_add_echo)
+
+    async def ask(dask_scheduler, target):
+        return await di.call_worker_from_scheduler(dask_scheduler, target, "internals_echo", value=5)
+
+    assert client.run_on_scheduler(ask, target=workers[1]) == {"echo": 5, "at": workers[1]}
+    assert client.submit(di.running_task_key, key="internals-who-am-i", pure=False).result() == "internals-who-am-i"
+    assert di.running_task_key() is None  # not inside a task
+
+
 def test_the_distributed_release_is_one_we_pin():
     """pyproject pins distributed; these tests are what the pin rests on."""
     from importlib.metadata import requires
