@@ -5,8 +5,9 @@ Scheduler side (torch-free: ``dask scheduler --preload daskflow_kv.plugins.kv_sc
 ``kv_scheduler`` (the composition root: it builds one part per concern and installs
 everything below): ``kv_settings``, ``kv_events``, ``kv_tiers``, ``kv_leases``, ``kv_usage``,
 ``kv_budget``, ``kv_queue``, ``kv_profiles``, ``kv_locality``, ``kv_lifecycle``,
-``kv_views``, ``kv_client_api``, ``tenants``; and ``dashboard/`` (the dashboard's KV page
-and the KV series of ``/metrics``).
+``kv_views``, ``kv_client_api``, ``tenants``, ``kv_ownership`` (who may compute a KV key;
+``kv_notes``: the checked annotations), ``kv_reports`` (worker reports, from the worker
+itself); and ``dashboard/`` (the dashboard's KV page and the KV series of ``/metrics``).
 
 Worker side: ``worker`` (tensor serializers; spilled blocks and store I/O reported to the
 scheduler) and ``handoff`` (the worker-to-worker channel of parallel materialize). The

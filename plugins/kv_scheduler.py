@@ -231,7 +231,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
             di.want(scheduler, published, CACHE_CLIENT)
         self.client_api.arrivals.note()  # states waiting for these blocks may register now
         # Planned for a worker that died since the client looked: let Dask place them.
-        self.locality.loosen_dead_restrictions(scheduler.tasks[k] for k in tasks if is_placed(k) and k in scheduler.tasks)
+        self.locality.loosen_dead_restrictions(scheduler.tasks[k] for k in tasks
+                                               if is_placed(k) and k in scheduler.tasks)
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         self.budget.transition(key, start, finish)

@@ -2,7 +2,7 @@
 
 Dask knows a key is "in memory" on a worker, not whether that worker's SpillBuffer has
 moved it to disk; the persistent store is not Dask's at all. Workers tell the plugin both
-(``plugins.worker``, one ``kv_worker_report`` RPC when something changed):
+(``plugins.worker``, one ``kv_worker_report`` on the worker's own stream when something changed):
 
 * ``spilled``: the KV block keys on the worker's spill disk now (the whole list, so a
   lost report is repaired by the next one);

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import dask
+import pytest
 from distributed import Client
 
 from daskflow_kv.keys import PLUGIN_NAME
@@ -44,6 +45,19 @@ def runtime(cluster, namespace: str, tenants=TENANTS, **kw) -> KVRuntime:
     """A tenant's runtime on its own client (close with ``rt.client.close()``)."""
     return KVRuntime(Client(cluster), "tiny-llama", block_size=BLOCK, namespace=namespace,
                      secret=tenants[namespace]["secret"], **kw)
+
+
+def tenant(namespace: str, tenants=TENANTS, cluster: str = "cluster"):
+    """A module-scoped fixture named ``namespace``: its runtime on the module's ``cluster`` fixture
+    (in a test module: ``alice = tenant("alice")``)."""
+
+    @pytest.fixture(scope="module", name=namespace)
+    def fixture(request):
+        rt = runtime(request.getfixturevalue(cluster), namespace, tenants)
+        yield rt
+        rt.client.close()
+
+    return fixture
 
 
 def plugin(cluster):

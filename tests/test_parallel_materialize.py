@@ -56,7 +56,8 @@ def test_two_workers_make_the_single_prefill_blocks_and_resume_exactly(client, w
     rt.wait([st])
 
     # the keys a single prefill publishes, computed on the client from the chain
-    assert list(st.state.block_keys) == [k for k, _, _ in chain_keys(rt.key_digest, ctx, 16)]
+    assert list(st.state.block_keys) == [k for k, _, _ in chain_keys(rt.key_digest, ctx, 16,
+                                                                      namespace=rt.session.namespace)]
     assert st.state.lineage[-1].as_dict()["parallel"] == 2
     # each block on the worker that computed it: chunk 0 (longer) first in address order
     where = _holders_by_block(st)
@@ -136,7 +137,8 @@ def test_a_cached_prefix_is_read_by_every_chunk(client, workers):
     rt.wait([st])
     event = st.state.lineage[-1].as_dict()
     assert event["tokens_reused"] == 37 and event["parallel"] == 2
-    assert list(st.state.block_keys) == [k for k, _, _ in chain_keys(rt.key_digest, ctx, 16)]
+    assert list(st.state.block_keys) == [k for k, _, _ in chain_keys(rt.key_digest, ctx, 16,
+                                                                      namespace=rt.session.namespace)]
     suf = rt.encode(SUFFIXES[2])
     g = rt.resume(st, suf, max_new_tokens=NEW, return_logits=True)
     assert_same_generation(g, engine.generate_text(ctx + suf, max_new_tokens=NEW, return_logits=True))
@@ -201,7 +203,8 @@ def test_a_worker_killed_mid_way_leaves_the_outputs_exact(own_client, victim):
     assert time.time() - killed < 25
     assert "error" not in out, out.get("error")
     st = out["state"]
-    assert list(st.state.block_keys) == [k for k, _, _ in chain_keys(rt.key_digest, ctx, 16)]
+    assert list(st.state.block_keys) == [k for k, _, _ in chain_keys(rt.key_digest, ctx, 16,
+                                                                      namespace=rt.session.namespace)]
     assert dead not in set.union(*_holders_by_block(st))
     alone = [e for e in _chunk_events(client, st.state_id) if not e["relayed"]]
     assert alone, "some chunk should have been prefilled again without its peer"

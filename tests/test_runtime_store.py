@@ -179,7 +179,7 @@ def test_two_clusters_writing_the_same_blocks_at_once(tmp_path):
             t.join(120)
         assert out[0].tokens == out[1].tokens
         store = open_store(store_url)
-        keys = [k for k, _, _ in chain_keys(rts[0].key_digest, ctx, 16)]
+        keys = [k for k, _, _ in chain_keys(rts[0].key_digest, ctx, 16, namespace=rts[0].session.namespace)]
         assert store.leading(keys) == len(keys)
         files = [f for _, _, fs in os.walk(store_url) for f in fs]
         assert not [f for f in files if ".tmp-" in f]  # no write left half done

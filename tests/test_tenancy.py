@@ -18,14 +18,7 @@ from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.runtime.plugin_client import PluginClient
 from daskflow_kv.state.blocks import chain_keys, keyed_digest
-
-TENANTS = {
-    "alice": {"secret": "alice-secret-8f2c", "role": "user"},
-    "bob": {"secret": "bob-secret-11aa", "role": "user"},
-    "ops": {"secret": "ops-secret-7d41", "role": "admin"},
-}
-PROMPT = ("Patient record: Jane Roe, born 1961-03-04, SSN 078-05-1120, diagnosis: hypertension. "
-          "Medication: lisinopril 10 mg daily. Notes: follow up in three months.")
+from tenancy_kit import PROMPT, TENANTS, tenant
 
 
 @pytest.fixture(scope="module")
@@ -35,31 +28,15 @@ def tenant_cluster():
             yield cluster
 
 
+alice = tenant("alice", cluster="tenant_cluster")
+bob = tenant("bob", cluster="tenant_cluster")
+ops = tenant("ops", cluster="tenant_cluster")
+
+
 def _runtime(cluster, namespace, secret=None):
     client = Client(cluster)
     secret = TENANTS[namespace]["secret"] if secret is None else secret
     return KVRuntime(client, "tiny-llama", block_size=16, namespace=namespace, secret=secret)
-
-
-@pytest.fixture(scope="module")
-def alice(tenant_cluster):
-    rt = _runtime(tenant_cluster, "alice")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def bob(tenant_cluster):
-    rt = _runtime(tenant_cluster, "bob")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def ops(tenant_cluster):
-    rt = _runtime(tenant_cluster, "ops")
-    yield rt
-    rt.client.close()
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +94,8 @@ def test_keys_cannot_be_computed_without_the_secret(bob, record):
     full = len(tokens) - len(tokens) % 16
     guesses = set()
     for digest in (bob.fingerprint.digest, bob.key_digest, keyed_digest(bob.fingerprint.digest, "alice")):
-        guesses |= {k for k, _, _ in chain_keys(digest, tokens[:full], 16)}
+        for namespace in (None, "alice", "bob"):  # the tag is public: only the secret is missing
+            guesses |= {k for k, _, _ in chain_keys(digest, tokens[:full], 16, namespace=namespace)}
     assert not guesses & set(record.state.block_keys)
 
 

@@ -24,7 +24,7 @@ from conftest import wait_until
 from daskflow_kv import dask_internals as di
 from daskflow_kv.keys import PREFILL, PREFILL_TOPIC, REPORT_OP, namespace_tag, task_key
 from daskflow_kv.plugins.tenants import AccessDenied
-from tenancy_kit import PROMPT, SUFFIX, plugin, runtime, tenant_cluster, text_tokens
+from tenancy_kit import PROMPT, SUFFIX, plugin, tenant, tenant_cluster, text_tokens
 
 BUDGET = 1 << 30
 
@@ -35,18 +35,8 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def alice(cluster):
-    rt = runtime(cluster, "alice")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def bob(cluster):
-    rt = runtime(cluster, "bob")
-    yield rt
-    rt.client.close()
+alice = tenant("alice")
+bob = tenant("bob")
 
 
 @pytest.fixture(scope="module")

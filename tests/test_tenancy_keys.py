@@ -21,7 +21,7 @@ from distributed import Client
 from daskflow_kv.keys import BLOCK, block_key, namespace_tag, short_key, tag_of
 from daskflow_kv.plugins.tenants import AccessDenied
 from tenancy_kit import BLOCK as BLOCK_TOKENS
-from tenancy_kit import PROMPT, SUFFIX, plugin, runtime, scheduler_state, tenant_cluster, text_tokens
+from tenancy_kit import PROMPT, SUFFIX, plugin, scheduler_state, tenant, tenant_cluster, text_tokens
 
 
 def _squat(path: str, nbytes: int = 64):
@@ -36,25 +36,9 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def alice(cluster):
-    rt = runtime(cluster, "alice")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def bob(cluster):
-    rt = runtime(cluster, "bob")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def ops(cluster):
-    rt = runtime(cluster, "ops")
-    yield rt
-    rt.client.close()
+alice = tenant("alice")
+bob = tenant("bob")
+ops = tenant("ops")
 
 
 @pytest.fixture(scope="module")

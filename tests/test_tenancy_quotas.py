@@ -15,7 +15,7 @@ import random
 import pytest
 
 from daskflow_kv.errors import KVBudgetError
-from tenancy_kit import TENANTS, runtime, scheduler_state, tenant_cluster, text_tokens
+from tenancy_kit import TENANTS, scheduler_state, tenant, tenant_cluster, text_tokens
 
 BYTES_PER_TOKEN = 512  # tiny-llama's K/V bytes per token (checked below)
 TOKENS = 32  # every prompt here: two whole blocks
@@ -36,22 +36,12 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def alice(cluster):
-    rt = runtime(cluster, "alice", QUOTAS)
-    assert rt.facts.bytes_per_token == BYTES_PER_TOKEN
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def bob(cluster):
-    rt = runtime(cluster, "bob", QUOTAS)
-    yield rt
-    rt.client.close()
+alice = tenant("alice", QUOTAS)
+bob = tenant("bob", QUOTAS)
 
 
 def test_bob_pinning_blocks_neither_evicts_alices_cache_nor_fails_her_prefill(alice, bob):
+    assert alice.facts.bytes_per_token == BYTES_PER_TOKEN  # the sizes above
     cached = alice.materialize(_prompt(0))
     alice.wait([cached])
     keys = list(cached.state.block_keys)

@@ -27,7 +27,7 @@ from daskflow_kv.keys import BIND_OP, PREFILL, task_key
 from daskflow_kv.plugins import tenants as tn
 from daskflow_kv.plugins.tenants import AccessDenied, TenantRegistry, login_proof
 from daskflow_kv.runtime.kv_runtime import KVRuntime
-from tenancy_kit import PROMPT, SUFFIX, TENANTS, plugin, runtime, tenant_cluster, text_tokens
+from tenancy_kit import PROMPT, SUFFIX, TENANTS, plugin, runtime, tenant, tenant_cluster, text_tokens
 
 
 # -- the registry's rules ---------------------------------------------------------------------------
@@ -137,18 +137,8 @@ def tenants():
         yield c
 
 
-@pytest.fixture(scope="module")
-def alice(tenants):
-    rt = runtime(tenants, "alice")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def bob(tenants):
-    rt = runtime(tenants, "bob")
-    yield rt
-    rt.client.close()
+alice = tenant("alice", cluster="tenants")
+bob = tenant("bob", cluster="tenants")
 
 
 def _worker_annotations(client) -> list[dict]:

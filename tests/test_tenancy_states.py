@@ -17,7 +17,7 @@ import pytest
 
 from daskflow_kv.keys import block_key
 from daskflow_kv.plugins.tenants import AccessDenied
-from tenancy_kit import PROMPT, SUFFIX, runtime, tenant_cluster, text_tokens
+from tenancy_kit import PROMPT, SUFFIX, tenant, tenant_cluster, text_tokens
 
 REGISTER_WAIT = 1.5  # s: the server's bound, set for this cluster
 
@@ -28,18 +28,8 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def alice(cluster):
-    rt = runtime(cluster, "alice")
-    yield rt
-    rt.client.close()
-
-
-@pytest.fixture(scope="module")
-def bob(cluster):
-    rt = runtime(cluster, "bob")
-    yield rt
-    rt.client.close()
+alice = tenant("alice")
+bob = tenant("bob")
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,8 @@ def test_bob_cannot_list_read_overwrite_or_collect_alices_store_objects(tmp_path
             assert alice.store_decisions and alice.store_decisions[-1].action == "load"
             lineage = again.state.lineage[-1].as_dict()
             # read up to the forged block, which fails verification; from there on recomputed
-            assert (lineage.get("tokens_from_store"), lineage["tokens_computed"]) == (forged_at, len(tokens) - forged_at)
+            assert (lineage.get("tokens_from_store"), lineage["tokens_computed"]) == (forged_at,
+                                                                                  len(tokens) - forged_at)
             assert wait_until(lambda: plugin(cluster).catalog.counters["store_corrupt"] >= 1)
             gen = alice.resume(again, alice.encode(SUFFIX), max_new_tokens=8)
             assert gen.tokens == text_tokens(alice, list(tokens) + alice.encode(SUFFIX))

@@ -54,5 +54,6 @@ class PrefixInputs:
         out = self.submitter.prefill(req, own, worker, predicted_s=predicted)
         bs = self.submitter.block_size
         n = len(split_spans(aligned_floor(held_tokens, bs), len(tokens), bs))
-        return tuple(own) + tuple(self.submitter.near(worker, tasks.take_block, out, i, key=self.submitter.key(REPLICA, sid, i))
+        return tuple(own) + tuple(self.submitter.near(worker, tasks.take_block, out, i,
+                                                      key=self.submitter.key(REPLICA, sid, i))
                                   for i in range(n))

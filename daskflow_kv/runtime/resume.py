@@ -90,7 +90,8 @@ class Resumer:
         breq = tasks.BatchPrefillRequest(tuple(reqs[i] for i in idxs), p.reused, "resume", f"batch-{batch_id}")
         out = self.submitter.prefill_batch(breq, inputs, p.worker, reads, first, predicted)
         for j, i in enumerate(idxs):  # the branch outputs hold the batch; Dask frees it once they are computed
-            outputs[i] = near(p.worker, tasks.take_branch, out, j, key=self.submitter.key(PREFILL, "branch", reqs[i].state_id))
+            outputs[i] = near(p.worker, tasks.take_branch, out, j,
+                              key=self.submitter.key(PREFILL, "branch", reqs[i].state_id))
         # One small-results task per batch, not one per branch (each is a scheduler round trip).
         return near(p.worker, tasks.take_batch_results, out, key=self.submitter.key(RESULT, "batch", batch_id))
 
