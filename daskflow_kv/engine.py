@@ -108,7 +108,7 @@ class Engine:
         parent_key = kept[-1].key if kept else None
         refs = list(kept)
         for start, end, tensor in new_blocks:
-            key = block_key(self.fingerprint.digest, parent_key, tokens[start:end])
+            key = block_key(self.fingerprint.digest, parent_key, tokens[start:end], self.fingerprint.namespace)
             ref = BlockRef(key, start, tuple(tokens[start:end]), tensor.numel() * tensor.element_size())
             self.store.put(key, tensor, owner=sid)
             self.index.add(ref, parent_key, self.fingerprint.digest)
@@ -128,7 +128,8 @@ class Engine:
         """
         compat.check_positions(0, len(tokens), max_new_tokens, self.runner.max_positions)
         with self._lock:  # the lookup and the blocks it reads, held until the state is published
-            match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size)
+            match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size,
+                                              self.fingerprint.namespace)
             # Decoding needs the last token's logits, which no cache holds: always feed >= 1 token.
             reused = min(match.tokens, len(tokens) - 1) if max_new_tokens else match.tokens
             if reused < len(tokens):  # a prefill follows: below fp32 it starts on a block boundary

@@ -18,7 +18,8 @@ run under it; ``<hex>`` is a block's content address or a task's random tail:
 ``kvpersist-…``    a low-priority task that queues store writes of blocks already in memory
 =================  ==========================================================================
 
-(The local ``Engine``, which has no scheduler, makes block keys without a tag.)
+(The local ``Engine`` tags its block keys with its namespace too: they are no Dask keys,
+but the same content addresses a runtime of that namespace publishes.)
 
 Torch-free and Dask-free: the scheduler plugin, the store and the dashboard import it.
 """

@@ -214,6 +214,8 @@ class ClientHandlers:
         """
         s = self._session(session)
         metas = [self._state_meta(m, s) for m in (metas if isinstance(metas, (list, tuple)) else [None])]
+        if len({m["state_id"] for m in metas}) < len(metas):
+            raise ValueError("a state id appears twice in one registration")
         keys = {k for m in metas for k in m["block_keys"]}
         await self.arrivals.wait_for(lambda: keys <= self._scheduler.tasks.keys(), self._settings.register_wait)
         foreign = [k for k in keys if self._catalog.namespace_of(k) not in (None, s.namespace)]

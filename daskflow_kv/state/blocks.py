@@ -47,8 +47,7 @@ def block_key(fingerprint_digest: str, parent_key: str | None, token_ids: Sequen
     """Content address of one block; a valid Dask key (a string).
 
     ``namespace``: whose block it is, tagged into the key (``keys.namespace_tag``) so the
-    scheduler plugin runs a task under it only for that namespace; None (the local engine,
-    which has no scheduler) leaves it untagged.
+    scheduler plugin runs a task under it only for that namespace; None leaves it untagged.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(fingerprint_digest.encode())

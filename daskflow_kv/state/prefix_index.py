@@ -68,11 +68,12 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def longest_prefix(self, key_digest: str, tokens: Sequence[int], block_size: int) -> PrefixMatch:
-        """The longest cached prefix of ``tokens`` under ``key_digest``."""
+    def longest_prefix(self, key_digest: str, tokens: Sequence[int], block_size: int,
+                       namespace: str | None = None) -> PrefixMatch:
+        """The longest cached prefix of ``tokens`` under ``key_digest`` (keys tagged with ``namespace``)."""
         full = aligned_floor(len(tokens), block_size)
-        return self.match(key_digest, [k for k, _, _ in chain_keys(key_digest, tokens[:full], block_size)], tokens,
-                          block_size)
+        keys = [k for k, _, _ in chain_keys(key_digest, tokens[:full], block_size, namespace=namespace)]
+        return self.match(key_digest, keys, tokens, block_size)
 
     def match(self, key_digest: str, keys: Sequence[str], tokens: Sequence[int], block_size: int,
               allowed=None) -> PrefixMatch:
