@@ -256,3 +256,43 @@ def test_lookup_answer_rows_become_cached_blocks():
     m = PrefixMatch.from_answer(ans)
     assert m == PrefixMatch(20, (CachedBlock("k0", 0, 16, 8, (A,), (A, B)), CachedBlock("k1", 16, 20, 2, (B,), (B,))))
     assert holder_of(m.blocks) == B and held_prefix(m, 20, B) == 20 and held_prefix(m, 20, A) == 16
+
+
+# -- under load: compute is priced, not only time (Preble's E2, with a move) ------------------------
+def _making_view(busy_b: float):
+    """A is still prefilling the context (2 s of queue); B has ``busy_b`` s queued."""
+    return _view(bandwidth=1e8, profile=PrefillProfile(0.0, 0.01, 0.0), busy={A: 2.0, B: busy_b})
+
+
+def test_saturated_cluster_moves_the_prefix_instead_of_rebuilding_it():
+    """Both workers have work queued: B would start sooner by rebuilding, but that rebuild takes
+    0.64 s of compute from requests waiting there; the blocks are fetched once A has them."""
+    out = plan_placements(_making_view(0.1), _match(cached=False), [64] * 4, 4, new_tokens=[8] * 4, max_new_tokens=16)
+    assert "recompute" not in {p.action for p in out}
+    for p in out:
+        if p.worker == B:
+            assert p.decision.loaded and "queued work" in p.decision.reason
+
+
+def test_a_spare_worker_still_rebuilds_in_parallel():
+    """The same prefix, B idle: its compute is free, rebuilding there ends sooner."""
+    out = plan_placements(_making_view(0.0), _match(cached=False), [64] * 4, 4, new_tokens=[8] * 4, max_new_tokens=16)
+    on_b = [p for p in out if p.worker == B]
+    assert on_b and on_b[0].action == "recompute" and not on_b[0].decision.loaded
+
+
+def test_skewed_load_explores_the_less_loaded_worker_and_moves_the_prefix():
+    """The holder has 10 s queued, B 0.5 s: the branches go to B and fetch the cached prefix."""
+    view = _view(bandwidth=1e8, profile=PrefillProfile(0.0, 0.01, 0.0), busy={A: 10.0, B: 0.5})
+    out = plan_placements(view, _match(), [64] * 4, 4, new_tokens=[8] * 4, max_new_tokens=16)
+    assert {p.worker for p in out} == {B} and {p.action for p in out} == {"transfer"}
+    assert out[0].decision.loaded
+
+
+def test_explain_names_the_load_term():
+    from daskflow_kv.policy.cost_model import explain
+
+    view = _view(bandwidth=1e8, profile=PrefillProfile(0.0, 0.01, 0.0), busy={A: 10.0, B: 0.5})
+    [p] = plan_placements(view, _match(), [64], 1, workers=[B])
+    assert "cluster loaded: compute priced" in explain(p.decision)
+    assert not _view(busy={A: 1.0}).loaded([A, B]) and _view(busy={A: 1.0, B: 1.0}).loaded([A, B])

@@ -35,6 +35,8 @@ class LocalCache:
     engine: Engine  # shares the worker's loaded model (``tasks.get_runner``)
     kept: OrderedDict  # state id -> KVState, least recently used first
     retain_bytes: int  # evict past this many block bytes
+    evicted_states: int = 0  # states dropped for the budget since start
+    evicted_bytes: int = 0  # block bytes those drops freed
 
     def keep(self, *states) -> None:
         for st in states:
@@ -42,7 +44,8 @@ class LocalCache:
             self.kept.move_to_end(st.state_id)
         while len(self.kept) > 1 and self.engine.store.nbytes > self.retain_bytes:
             _, old = self.kept.popitem(last=False)
-            self.engine.release(old)
+            self.evicted_states += 1
+            self.evicted_bytes += self.engine.release(old)
 
     def clear(self) -> None:
         while self.kept:
@@ -76,6 +79,13 @@ def clear(dask_worker=None) -> int:
 
     malloc_trim()
     return freed
+
+
+def stats(dask_worker=None) -> dict:
+    """What this process's engines evicted for their budget (``client.run``)."""
+    with _LOCK:
+        return {"evicted_states": sum(c.evicted_states for c in _CACHES.values()),
+                "evicted_bytes": sum(c.evicted_bytes for c in _CACHES.values())}
 
 
 def cached_bytes(dask_worker=None) -> int:

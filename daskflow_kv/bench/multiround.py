@@ -55,7 +55,7 @@ def run_local_mode(cw, b: S.Bench) -> dict:
     rt, wf = b.rt, cw.workflow
     outputs: dict[str, str] = {}
     agents: dict[str, dict] = {}
-    level_tokens, level_outs = [], []
+    level_tokens, level_outs, prefills = [], [], []
     t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         level_at = time.time()
@@ -74,16 +74,21 @@ def run_local_mode(cw, b: S.Bench) -> dict:
             for out in S.finish_local(b, prefix, suffixes, sub):
                 outs_here.append(out)
                 computed += out["prefix_tokens_computed"]
+                if out["prefix_tokens_computed"]:
+                    prefills.append({"level": lvl, "op": "materialize", "worker": out["worker"],
+                                     "tokens": out["prefix_tokens_computed"]})
                 for br in out["branches"]:
                     name = members[br["index"]]
                     outputs[name] = rt.decode(br["tokens"])
                     computed += br["tokens_computed"]
+                    prefills.append({"level": lvl, "op": "resume", "worker": out["worker"],
+                                     "tokens": br["tokens_computed"]})
                     agents[name] = {"level": lvl, "tokens": br["tokens"], "worker": out["worker"],
                                     "first_token_at": br["first_token_at"], "level_started_at": level_at}
         level_tokens.append(computed)
         level_outs.append(outs_here)
     return {"agents": agents, "wall_s": time.perf_counter() - t0, "start": wall0, "level_tokens": level_tokens,
-            "shared_ready_at": S._first_ready(wall0, level_outs[0]) if level_outs else None}
+            "shared_ready_at": S._first_ready(wall0, level_outs[0]) if level_outs else None, "prefills": prefills}
 
 
 def _from_executor(res) -> dict:

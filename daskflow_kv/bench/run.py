@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from .. import config, validation
@@ -33,7 +34,8 @@ PROFILES = {
     "smoke": {"model": "tiny-llama", "contexts": [128, 256], "agents": 4, "exp2_context": 128, "ks": [1, 4],
               "reps": 1, "max_new_tokens": 4, "exp3_contexts": [128, 512], "netem_jobs": [], "near_tie": [], "near_tie_contexts": [], "systems": ["text", "hf", "local", "dkv"], "probe_mib": 4, "warmup": False,
               "exp6_workflows": ["debate"], "exp6_context": 96, "exp7_rates": [600], "exp7_workflows": 4,
-              "exp7_docs": 2, "exp7_context": 96,
+              "exp7_docs": 2, "exp7_context": 96, "exp7_streams": ["uniform", "zipf-budget"],
+              "exp7_budget_fraction": 0.25,
               "parallel_contexts": [128, 256], "parallel_exp1_contexts": [256]},
     # a few minutes on 2 cores: tiny-llama, every experiment at small sizes
     "quick": {"model": "tiny-llama", "contexts": [256, 512, 1024, 1900], "agents": 4, "exp2_context": 512,
@@ -41,6 +43,7 @@ PROFILES = {
               "netem_jobs": [[50, [256, 1900]], [2, [256]]], "near_tie": [0.85, 1.2], "near_tie_contexts": [1024],
               "systems": ["text", "hf", "local", "dkv"], "exp6_workflows": ["debate", "planner"],
               "exp6_context": 512, "exp7_rates": [60, 600], "exp7_workflows": 8, "exp7_docs": 4, "exp7_context": 256,
+              "exp7_streams": ["uniform", "zipf", "zipf-budget"], "exp7_budget_fraction": 0.25,
               "parallel_contexts": [256, 1024, 1900], "parallel_exp1_contexts": [1024, 1900]},
     # the published measurement: SmolLM2-135M (46,080 KV bytes per token in fp32). With --warm
     # --reps 3 on 2 quiet cores, estimated from earlier SmolLM2 runs: setup 1 min, exp3 loopback 2,
@@ -50,8 +53,8 @@ PROFILES = {
              "netem_jobs": [[1000, [512, 1024, 2048, 4096]], [300, [512, 1024, 2048]], [50, [512, 1024]]],
              "near_tie": [0.85, 1.2], "near_tie_contexts": [512, 1024, 2048],
              "systems": ["text", "hf", "local", "dkv"], "exp6_workflows": ["debate", "planner"],
-             "exp6_context": 2048, "exp7_rates": [12, 36, 108], "exp7_workflows": 16, "exp7_docs": 4,
-             "exp7_context": 1024,
+             "exp6_context": 2048, "exp7_rates": [12, 60], "exp7_workflows": 16, "exp7_docs": 8,
+             "exp7_context": 1024, "exp7_streams": ["uniform", "zipf", "zipf-budget"], "exp7_budget_fraction": 0.25,
              "parallel_contexts": [1024, 2048, 4096, 8192], "parallel_exp1_contexts": [4096, 8192]},
 }
 MODELED_BANDWIDTHS_GBPS = [100, 25, 10, 3, 1, 0.3, 0.1, 0.03, 0.01]
@@ -88,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exp6-context", type=int, help="exp6 shared context (tokens)")
     ap.add_argument("--exp7-rates", type=float, nargs="+", help="exp7 arrival rates, workflows per minute")
     ap.add_argument("--exp7-workflows", type=int, help="exp7 workflows per stream")
+    ap.add_argument("--exp7-streams", nargs="+", choices=["uniform", "zipf", "zipf-budget"],
+                    help="exp7 stream kinds (documents in turn, Zipf-drawn, Zipf under a KV budget)")
     ap.add_argument("--parallel-contexts", type=int, nargs="+", help="exp8 materialize context lengths")
     ap.add_argument("--parallel-widths", type=int, nargs="+", default=[1, 2], help="exp8 worker counts W")
     ap.add_argument("--parallel-exp1-contexts", type=int, nargs="+", help="exp8 cold exp1 context lengths")
@@ -107,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "parallel_contexts",
+                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_streams", "parallel_contexts",
                 "parallel_exp1_contexts"):
         v = getattr(args, key)
         if v is not None:
@@ -220,6 +225,8 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
     except BaseException as e:  # keep what was measured; Ctrl-C included
         doc["error"] = f"{type(e).__name__}: {e}"
         log(f"bench stopped early: {doc['error']}; writing what was measured")
+        if config.get("verbose"):
+            log(traceback.format_exc())
         if not isinstance(e, Exception):
             raise
     finally:
@@ -295,7 +302,9 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     n_steps += len(cfg["exp3_contexts"]) if 3 in exps else 0
     flows = [s for s in systems if s in ("text", "local", "dkv")]  # exp 6 and 7 run these
     n_steps += cfg["reps"] * len(cfg["exp6_workflows"]) * len(flows) if 6 in exps else 0
-    n_steps += len(cfg["exp7_rates"]) * len(flows) if 7 in exps else 0
+    exp7_flows = [s for s in flows if s != "text"]  # text replay runs once per stream kind
+    n_steps += len(cfg["exp7_streams"]) * (1 + cfg["reps"] * len(cfg["exp7_rates"]) * len(exp7_flows)) \
+        if 7 in exps else 0
     if 8 in exps:
         n_steps += cfg["reps"] * (len(cfg["parallel_contexts"]) * len(cfg["parallel_widths"])
                                   + 5 * len(cfg["parallel_exp1_contexts"]))
@@ -336,7 +345,9 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
             S.refresh_router(b)
             step("exp7", lambda: doc["runs"].extend(exp7(b, cfg["exp7_rates"], cfg["exp7_workflows"],
                                                          cfg["exp7_docs"], cfg["exp7_context"],
-                                                         cfg["max_new_tokens"], systems, bar)))
+                                                         cfg["max_new_tokens"], systems, cfg["reps"],
+                                                         cfg["exp7_streams"], cfg["exp7_budget_fraction"],
+                                                         progress=bar)))
         if 8 in exps:  # parallel materialize: W workers prefill one context together
             from .exp_parallel import run as run_parallel
 

@@ -114,6 +114,7 @@ class Bench:
     rt: object  # KVRuntime
     workers: list[str]
     router: CacheAwareRouter
+    retain_bytes: int = le.DEFAULT_RETAIN  # K/V bytes each local engine keeps for reuse (its cache budget)
 
     @property
     def client(self):
@@ -202,7 +203,7 @@ def submit_local(b: Bench, prefix: list[int], suffixes: list[list[int]], max_new
     out = []
     for w, (idxs, predicted) in routes.items():
         fut = b.client.submit(le.run_group, b.rt.spec, list(prefix), [(i, list(suffixes[i])) for i in idxs], max_new,
-                              workers=[w], allow_other_workers=False, pure=False)
+                              b.retain_bytes, workers=[w], allow_other_workers=False, pure=False)
         out.append((w, idxs, predicted, fut))
     return out
 

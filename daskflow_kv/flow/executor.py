@@ -43,6 +43,8 @@ class AgentResult:
     decision: str = ""  # reuse | transfer | recompute | text
     first_token_at: float = 0.0  # wall clock of the first token (the worker's time.time())
     level_started_at: float = 0.0  # wall clock when this agent's level was started
+    planned_finish_at: float = 0.0  # wall clock the placement predicted its batch to finish (state mode)
+    finished_at: float = 0.0  # wall clock its decode ended (first token + decode)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,8 @@ class WorkflowResult:
     graph: CompiledWorkflow | None = None
     lineage: dict[str, list[dict]] = field(default_factory=dict)
     explain: str = ""
+    # every prefill the run made: {"level", "op" (materialize | resume | recompute), "worker", "tokens"}
+    prefills: list[dict] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -125,6 +129,7 @@ def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
                 n, lvl, outputs[n], list(res.generated), len(prompts[n]), res.worker, m["first_token_at"] - wall0,
                 m["prefill_s"], m["decode_s"], tokens_reused=0, tokens_computed=len(prompts[n]), decision="text",
                 first_token_at=m["first_token_at"], level_started_at=level_at,
+                finished_at=m["first_token_at"] + m["decode_s"],
             )
     return WorkflowResult(wf.name, "text", results, time.perf_counter() - t0, level_tokens, cw)
 
@@ -138,11 +143,13 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
     lineage: dict[str, list[dict]] = {}
     states = {}
     followed = {a.follows for a in wf.agents.values() if a.follows}
-    level_tokens = []
+    level_tokens, prefills = [], []
+    kept = []  # group prefixes a later level reads: live until the workflow ends (then the cache keeps them)
     t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         if progress:
             progress("state", lvl, len(cw.levels), names)
+        read_later = {r for later in cw.levels[lvl + 1:] for n in later for r in wf.agents[n].reads}
         level_at = time.time()
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         add_level_nodes(cw, lvl, prompts, estimated=False)
@@ -155,12 +162,21 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
             prefix = rt.materialize(first[: group.prefix_len], parallel=parallel)  # reuses any cached part
             event = prefix.state.lineage[-1].as_dict()
             computed += event["tokens_computed"]
+            if event["tokens_computed"]:
+                prefills.append({"level": lvl, "op": "materialize", "worker": prefix.state.worker,
+                                 "tokens": event["tokens_computed"]})
             for member, branch in zip(group.members, rt.fork(prefix, len(group.members))):
                 a = wf.agents[member]
                 key = (a.max_new_tokens, a.sampling, _RUNTIME_POLICY[a.policy])
                 buckets.setdefault(key, []).append((member, branch, prompts[member][group.prefix_len :]))
-            rt.release(prefix)
+            # KVFlow's rule: a state a later level reads stays until that reader has run; the
+            # budget cannot evict it between levels (it would be prefilled again).
+            if any(r in read_later for m in group.members for r in wf.agents[m].reads if r in wf.contexts):
+                kept.append(prefix)
+            else:
+                rt.release(prefix)
         for (max_new, sampling, policy), reqs in buckets.items():
+            planned_at = time.time()
             gens = rt.resume_many([(b, s) for _, b, s in reqs], max_new, sampling, policy=policy)
             for (name, branch, suffix), gen in zip(reqs, gens):
                 m = _metrics(gen)
@@ -169,6 +185,10 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
                 moved = d.nbytes if (d is not None and d.action == "transfer" and gen.placement.first) else 0
                 computed += m.get("tokens_recomputed", 0)
                 computed += m["tokens_computed"]
+                if m.get("tokens_recomputed"):
+                    prefills.append({"level": lvl, "op": "recompute", "worker": gen.worker,
+                                     "tokens": m["tokens_recomputed"]})
+                prefills.append({"level": lvl, "op": "resume", "worker": gen.worker, "tokens": m["tokens_computed"]})
                 outputs[name] = gen.text
                 results[name] = AgentResult(
                     name, lvl, gen.text, list(gen.tokens), len(prompts[name]), gen.worker,
@@ -179,6 +199,8 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
                     bytes_transferred=moved,
                     decision=d.action if d is not None else "reuse",
                     first_token_at=m["first_token_at"], level_started_at=level_at,
+                    planned_finish_at=planned_at + gen.placement.finish_s,
+                    finished_at=m["first_token_at"] + m["decode_s"],
                 )
                 lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
                 rt.release(branch)
@@ -190,9 +212,10 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
                 else:
                     rt.release(gen.state)
         level_tokens.append(computed)
-    result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage)
+    result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
+                            prefills=prefills)
     result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
-    for st in states.values():
+    for st in [*states.values(), *kept]:
         rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
     return result
 

@@ -133,6 +133,11 @@ class StepCache:
         self.config = config  # the ORIGINAL model config: its kernel and masks are replayed per lane
         self.dtype, self.device = dtype, device
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)  # None: eager
+        # One decode row of a plain softmax attention (SDPA, fp32, no soft-capping) is a small
+        # matmul-softmax-matmul: done directly it skips SDPA's per-call threading overhead, which
+        # on a CPU is ~4x the arithmetic at these sizes and is paid per request per layer.
+        self.decode_fast = (config._attn_implementation == "sdpa" and dtype == torch.float32
+                            and getattr(config, "attn_logit_softcapping", None) is None)
         self._lanes: list[Lane] = []  # this step's lanes, in packed order
         self._spans: list[tuple[int, int]] = []  # their rows [start, end) in the packed sequence
         self._pos: torch.Tensor | None = None  # [1, rows] position ids
@@ -184,6 +189,9 @@ class StepCache:
                 tk, tv = lane.tail[layer]
                 wk[0, :, g.prefix_len : n].copy_(tk[:, : n - g.prefix_len])
                 wv[0, :, g.prefix_len : n].copy_(tv[:, : n - g.prefix_len])
+            if q == 1 and self.decode_fast:
+                out[0, a] = _decode_attention(query[0, :, a], wk[0, :, :n], wv[0, :, :n], scaling, window)
+                continue
             o, _ = attention(module, query[:, :, a:b], wk[:, :, :n], wv[:, :, :n], self._mask(q, n - q, window),
                              scaling=scaling, position_ids=self._pos[:, a:b], **extra)
             out[0, a:b] = o[0]
@@ -194,3 +202,16 @@ class StepCache:
         if key not in self._masks:
             self._masks[key] = single_mask(self.config, self.dtype, self.device, q, past, window)
         return self._masks[key]
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling, window) -> torch.Tensor:
+    """One query row per head, q [h, d], against k/v [kvh, n, d] (its last key is its own token);
+    -> [h, d]. What SDPA computes for that row, in fp32: softmax(q k^T * scale) v over the keys it
+    sees (the last ``window`` of them under a sliding window)."""
+    h, d = q.shape
+    kvh = k.shape[0]
+    if window is not None and k.shape[1] > window:
+        k, v = k[:, -window:], v[:, -window:]
+    scale = scaling if scaling is not None else d**-0.5
+    scores = torch.matmul(q.reshape(kvh, h // kvh, d), k.transpose(-1, -2)).mul_(scale)  # [kvh, g, n]
+    return torch.matmul(torch.softmax(scores, dim=-1), v).reshape(h, d)

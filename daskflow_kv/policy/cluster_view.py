@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 
 from .cost_model import LinkProfile, PrefillProfile
 
+IDLE_S = 0.05  # queued seconds under which a worker counts as idle (predictions are this noisy)
+
 
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
@@ -118,6 +120,12 @@ class ClusterView:
         """Seconds of KV work queued on ``worker`` (what its running tasks still need)."""
         load = self.workers.get(worker) if worker else None
         return load.busy_s if load is not None else 0.0
+
+    def loaded(self, pool) -> bool:
+        """Every worker of ``pool`` has KV work queued: spare compute is gone (``decide``'s
+        ``loaded``). A worker with under ``IDLE_S`` of queued work counts as idle."""
+        pool = [w for w in pool if w in self.workers]
+        return bool(pool) and all(self.busy(w) > IDLE_S for w in pool)
 
     def with_queue(self, worker: str | None, busy_s: float) -> ClusterView:
         """This view with ``worker`` busy for at least ``busy_s`` (work a plan just queued there)."""

@@ -197,6 +197,7 @@ class Decision:
     reason: str  # one human sentence
     src_ready: float = 0.0  # s until the blocks exist on src (their prefill may still be running)
     dst_wait: float = 0.0  # s of work queued on dst before it could start a recompute
+    loaded: bool = False  # every candidate worker had queued work: compute was priced, not only time
 
     @property
     def start_transfer(self) -> float:
@@ -222,7 +223,7 @@ def needs_calibration(link: LinkProfile | None, prefill: PrefillProfile | None) 
 def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None, dst: str,
            link: LinkProfile | None, prefill: PrefillProfile | None,
            memory_weight: float = 0.0, forced: str | None = None,
-           src_ready: float = 0.0, dst_wait: float = 0.0) -> Decision:
+           src_ready: float = 0.0, dst_wait: float = 0.0, loaded: bool = False) -> Decision:
     """Reuse, transfer or recompute the ``missing_tokens`` tokens after ``prefix_tokens`` on dst.
 
     The option that lets dst *start* its consumer earlier wins: a transfer can begin once
@@ -234,6 +235,13 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
     it is reported so a planner ranking candidate dst workers sees that running where the
     blocks already are (reuse, no new bytes) saves memory as well as time.
     Ties go to recompute: it needs no other worker and no network.
+
+    ``loaded``: every worker the plan could use has work queued (the cluster is saturated).
+    A rebuild then spends compute that other requests are waiting for, where a fetch spends
+    almost none (1-2 % of the prefill here): the cheaper *work* wins - transfer whenever the
+    link moves the blocks faster than dst could prefill them - even if the blocks will exist
+    on src only later. That is Preble's E2 with a move: explore the less loaded worker, and
+    bring the prefix to it rather than rebuild it.
     """
     if forced not in (None, "transfer", "recompute"):
         raise ValueError(f"forced must be None, 'transfer' or 'recompute', got {forced!r}")
@@ -242,7 +250,7 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
     def make(action: str, t_tr: float, t_rc: float, reason: str) -> Decision:
         mem = 0.0 if action == "reuse" else memory_weight * nbytes
         return Decision(action, t_tr, t_rc, mem, t_tr + mem, t_rc + mem, nbytes, missing_tokens,
-                        prefix_tokens, src, dst, bw, reason, src_ready, dst_wait)
+                        prefix_tokens, src, dst, bw, reason, src_ready, dst_wait, loaded)
 
     if missing_tokens <= 0 or src == dst:
         why = "nothing is missing on dst" if missing_tokens <= 0 else "the blocks are already on dst"
@@ -258,6 +266,12 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
     missing = needs_calibration(link, prefill)
     if missing:
         raise NeedsCalibration(f"cannot compare transfer and recompute: measure {', '.join(missing)}")
+    if loaded:
+        if t_tr < t_rc:
+            return make("transfer", t_tr, t_rc, "every worker has queued work: moving the blocks costs less compute "
+                                                "than prefilling them again")
+        return make("recompute", t_tr, t_rc, "every worker has queued work, and prefilling is still cheaper than "
+                                             "fetching over this link")
     start_tr, start_rc = max(dst_wait, src_ready + t_tr), dst_wait + t_rc
     if start_tr < start_rc:
         return make("transfer", t_tr, t_rc, "fetching the blocks lets dst start sooner than prefilling them")
@@ -299,6 +313,7 @@ def explain(d: Decision) -> str:
     bw = "n/a" if math.isnan(d.bandwidth) else f"{d.bandwidth / 1e9:.2f} GB/s"
     waits = (f", src ready in {ms(d.src_ready)}, dst busy for {ms(d.dst_wait)}"
              if (d.src_ready or d.dst_wait) else "")
+    waits += ", cluster loaded: compute priced" if d.loaded else ""
     return (f"{d.action} {d.src}->{d.dst}: transfer {d.nbytes / 1e6:.2f} MB @ {bw} = "
             f"{ms(d.t_transfer)}, recompute {d.missing_tokens} tok after {d.prefix_tokens} = "
             f"{ms(d.t_recompute)}{waits}, memory {ms(d.memory_cost)} ({d.reason})")

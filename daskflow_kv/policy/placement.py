@@ -1,5 +1,12 @@
 """Where each KV consumer runs, and how its prefix gets there: earliest finish time. Pure.
 
+Under load the rule prices compute, not only time (Preble's E2, with a move): when every
+worker in the pool has work queued, a destination that lacks the prefix fetches it
+whenever fetching is cheaper than prefilling (``cost_model.decide``'s ``loaded``), so the
+less loaded worker takes the branch *and* the prefix moves to it - a rebuild would spend
+compute other requests are queued for. With spare workers, rebuilding on an idle one may
+still win on time.
+
 For every branch the planner estimates, on each candidate worker, when the branch would
 finish: when the worker is free (the KV work already queued there), when its prefix can
 be there - already there, fetched after the source has made it, or prefilled on the
@@ -76,7 +83,7 @@ def held_prefix(match: PrefixMatch, reused: int, worker: str) -> int:
 
 
 def prefix_decision(view: ClusterView, match: PrefixMatch, reused: int, dst: str | None,
-                    forced: str | None = None) -> Decision | None:
+                    forced: str | None = None, loaded: bool = False) -> Decision | None:
     """How ``dst`` gets the blocks covering ``reused`` tokens; None when nothing is read.
 
     Only the blocks ``dst`` lacks count: a transfer fetches them from the worker holding the
@@ -87,16 +94,17 @@ def prefix_decision(view: ClusterView, match: PrefixMatch, reused: int, dst: str
         return None
     held = held_prefix(match, reused, dst)
     missing = [b for b in reads if dst not in b.where]
-    if not missing:  # everything is (or will be) on dst already
+    if not missing:  # everything is (or will be) on dst already: it starts when its queue is done
         ready = max(_ready_on(b, dst, view) for b in reads)
-        return decide(0, 0, reused, dst, dst, None, None, view.memory_weight, src_ready=ready, dst_wait=ready)
+        return decide(0, 0, reused, dst, dst, None, None, view.memory_weight, src_ready=ready,
+                      dst_wait=view.busy(dst))
     src = holder_of(missing)
     if src is None:  # being recomputed somewhere Dask has not chosen yet: let Dask place it
         return None
     nbytes = sum(b.nbytes for b in missing)
     src_ready = max(_ready_on(b, src, view) for b in missing)
     return decide(nbytes, reused - held, held, src, dst, view.link(src, dst), view.profile(dst),
-                  view.memory_weight, forced, src_ready=src_ready, dst_wait=view.busy(dst))
+                  view.memory_weight, forced, src_ready=src_ready, dst_wait=view.busy(dst), loaded=loaded)
 
 
 def batch_seconds(profile: PrefillProfile, reused: int, suffixes: list[int], max_new: int) -> float:
@@ -184,12 +192,13 @@ def _earliest_finish(view, match, reused, new_tokens, max_new, pool, holder, for
     if any(p is None for p in profiles.values()) and (len(reused) > 1 or len(pool) > 1):
         raise NeedsCalibration("cannot estimate finish times: measure the prefill profile on every worker")
     order = sorted(pool, key=lambda w: (w != holder, pool.index(w)))  # ties: the holder, then pool order
+    loaded = view.loaded(pool)  # no spare compute: a rebuild is priced as the work it takes from others
     dests: dict[str, _Dest] = {}
     placed: list[tuple[str, dict[str, float]]] = []
     for i, (r, s) in enumerate(zip(reused, new_tokens)):
         options = {}
         for w in order:
-            d = dests.get(w) or _open(view, match, r, w, forced)
+            d = dests.get(w) or _open(view, match, r, w, forced, loaded)
             if d is None:
                 continue
             prof = profiles[w] or PrefillProfile(0.0, 0.0, 0.0)
@@ -234,12 +243,9 @@ def _pick(options: dict, order: list[str], dests: dict) -> str:
     return min(close, key=lambda w: (fresh_work(w), options[w][0], order.index(w)))
 
 
-def _open(view, match, reused, w, forced) -> _Dest | None:
+def _open(view, match, reused, w, forced, loaded=False) -> _Dest | None:
     """A destination before any branch is placed on it: how its prefix would get there."""
-    try:
-        d = prefix_decision(view, match, reused, w, forced)
-    except NeedsCalibration:
-        raise
+    d = prefix_decision(view, match, reused, w, forced, loaded)
     if d is None:
         return _Dest(None, view.busy(w), reused)
     if d.action == "reuse":

@@ -10,6 +10,11 @@ prefill; the profile is fitted over the whole spread, so it does not extrapolate
 one probe object written and read back (``PersistentTier.calibrate``).
 
 ``Calibrator`` is the runtime's part that runs them and records the links with the plugin.
+
+A probe is strictly placed on its worker, so a probe whose worker dies would wait in
+``no-worker`` for good: every wait here is bounded (``daskflow-kv.calibration.timeout``)
+and ends early when a worker it needs leaves the cluster. A lost probe is cancelled and
+skipped: that pair (or worker) is simply not measured this time.
 """
 
 from __future__ import annotations
@@ -19,14 +24,44 @@ import random
 import time
 from dataclasses import dataclass
 
+import logging
+
 from distributed import Client, wait
 
-from .. import validation
+from .. import config, validation
 from ..dask_internals import incoming_transfers
 from ..policy.cost_model import LinkProfile, calibration_lengths, fit_link
 from . import tasks
 from .kv_persistence import PersistentTier
 from .plugin_client import PluginClient
+
+
+logger = logging.getLogger("daskflow_kv.calibration")
+POLL_S = 0.25  # how often a wait checks that the probe's workers are still there
+
+
+class ProbeLost(RuntimeError):
+    """A probe did not finish: its worker left the cluster, or it ran past the timeout."""
+
+
+def settle(client, futures, workers, timeout: float | None = None) -> None:
+    """Wait for ``futures`` (probes placed on ``workers``); ``ProbeLost`` when one of those
+    workers leaves or ``timeout`` (default ``daskflow-kv.calibration.timeout``) passes. The
+    futures are cancelled then, so no probe is left waiting for a dead worker."""
+    timeout = config.get_seconds("calibration.timeout") if timeout is None else timeout
+    futures = list(futures)
+    deadline = time.time() + timeout
+    while True:
+        try:
+            wait(futures, timeout=POLL_S)
+            return
+        except TimeoutError:  # distributed.wait raises it when the time is up
+            left = [f for f in futures if not f.done()]
+        gone = set(workers) - set(client.scheduler_info(n_workers=-1)["workers"])
+        if gone or time.time() > deadline:
+            client.cancel(list(left))
+            why = f"worker {sorted(gone)[0]} left the cluster" if gone else f"no answer within {timeout:g} s"
+            raise ProbeLost(f"calibration probe lost: {why}")
 
 
 def _transfer_record(dask_worker, key):
@@ -39,8 +74,9 @@ def _transfer_record(dask_worker, key):
 def timed_transfer(client, src: str, dst: str, nbytes: int, device: str = "cpu") -> tuple[int, float]:
     """(bytes, seconds) of one real move of ``nbytes`` from src to dst, from dst's own record."""
     payload = client.submit(tasks.probe_bytes, nbytes, device, workers=[src], pure=False)
-    wait(payload)
+    settle(client, [payload], [src])
     reader = client.submit(tasks.touch, payload, workers=[dst], allow_other_workers=False, pure=False)
+    settle(client, [reader], [src, dst])
     reader.result()
     rec = client.run(_transfer_record, key=payload.key, workers=[dst])[dst]
     del payload, reader
@@ -60,19 +96,29 @@ def measure_link(client, src: str, dst: str, nbytes: int, device: str = "cpu") -
     return fit_link([timed_transfer(client, src, dst, n, device) for n in (small, nbytes, small)])
 
 
-def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> None:
-    """Prefill each length once on every worker, all workers at once (each reports its timing)."""
+def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> list[str]:
+    """Prefill each length once on every worker, all workers at once (each reports its timing).
+    -> the workers whose probes were lost (not measured)."""
     rng = random.Random(0)
     futures = []
     for n in sizes:
         n = min(n, facts.max_positions - 1)
         tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(n))
         req = tasks.PrefillRequest(tokens, 0, op="calibrate")
-        futures += [client.submit(tasks.prefill, spec, req, workers=[w], allow_other_workers=False, pure=False)
+        futures += [(w, client.submit(tasks.prefill, spec, req, workers=[w], allow_other_workers=False, pure=False))
                     for w in workers]
-    wait(futures)
-    for f in futures:
-        f.result()  # a failed probe says so here
+    lost = []
+    for w in workers:
+        mine = [f for x, f in futures if x == w]
+        try:
+            settle(client, mine, [w])
+        except ProbeLost as e:
+            logger.warning("%s: %s", w, e)
+            lost.append(w)
+            continue
+        for f in mine:
+            f.result()  # a failed probe says so here
+    return lost
 
 
 @dataclass(slots=True, eq=False)
@@ -97,12 +143,16 @@ class Calibrator:
         workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
         bandwidth, latency = {}, {}
         for src, dst in itertools.permutations(workers, 2):
-            link = self.record_link(src, dst, probe_bytes)
+            try:
+                link = self.record_link(src, dst, probe_bytes)
+            except ProbeLost as e:  # that pair stays unmeasured; its planner falls back on Dask's figure
+                logger.warning("%s -> %s: %s", src, dst, e)
+                continue
             bandwidth[f"{src}->{dst}"], latency[f"{src}->{dst}"] = link.bandwidth, link.latency
-        measure_prefill(self.client, self.spec, self.facts, workers, calibration_lengths(probe_tokens))
+        lost = measure_prefill(self.client, self.spec, self.facts, workers, calibration_lengths(probe_tokens))
         deadline = time.time() + 10  # worker events reach the scheduler asynchronously
         profiles = self.plugin.prefill_profiles()
-        while not all(w in profiles for w in workers) and time.time() < deadline:
+        while not all(w in profiles for w in workers if w not in lost) and time.time() < deadline:
             time.sleep(0.05)
             profiles = self.plugin.prefill_profiles()
         out = {"bandwidth": bandwidth, "latency": latency, "prefill_profiles": profiles}
