@@ -7,6 +7,11 @@ import dask.config
 import pytest
 import torch
 
+try:  # registers its dask.config defaults on import: before any test snapshots the config
+    import dask_jobqueue  # noqa: F401
+except ImportError:
+    pass
+
 # Tests run on 2 cores next to Dask worker processes: keep torch from oversubscribing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
