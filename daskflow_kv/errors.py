@@ -43,6 +43,12 @@ class KVBudgetError(DaskflowKVError):
     """A task would take a worker's KV past its budget and nothing evictable makes room."""
 
 
+class KVPreempted(KVBudgetError):
+    """Waiting KV tasks held each other's room and nothing ran: the budget failed the youngest
+    so the older ones can go on (vLLM's preemption). Release its states and try it again
+    (the workflow executor does)."""
+
+
 class OpenSchedulerError(InvalidInputError):
     """A client holds a tenant's secret but the scheduler has no tenants: it would act as an admin
     of one shared trust domain (``daskflow-kv.open-scheduler: warn`` allows it)."""

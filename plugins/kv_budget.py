@@ -7,8 +7,12 @@ exist) until ``policy.admission.admit`` says there is room. Room is made by evic
 unpinned blocks *before* the task is sent: the worker receives the release and then the
 task on the same ordered stream, so it never holds both. Bytes promised to a task stay
 reserved until it finishes, so two tasks cannot be admitted into the same room. A task
-that cannot fit waits while other KV tasks run on its worker and fails with a clear error
-otherwise (``KVBudgetError``). A periodic check (``enforce``) still trims retained blocks
+that cannot fit yet waits in line, oldest first; it fails (``KVBudgetError``, a clear
+message) only when it never can. When the cluster made no progress for
+``admission-patience`` - no KV task ran anywhere and no KV left memory: parked tasks hold
+each other's room through states their clients keep - the youngest stuck task is
+preempted (``KVPreempted``; its workflow releases its states and retries) and the rest
+wait on. A periodic check (``enforce``) still trims retained blocks
 down to the budget as states are released (``policy.eviction.choose_victims``).
 
 Tenants with a quota (``daskflow-kv.tenants.<name>.quota``) are guaranteed that many KV
@@ -30,9 +34,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from daskflow_kv import dask_internals as di
-from daskflow_kv.errors import KVBudgetError
+from daskflow_kv.errors import KVBudgetError, KVPreempted
 from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER
-from daskflow_kv.policy.admission import ADMIT, FAIL, Tenancy, admit
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, Tenancy, admit
 from daskflow_kv.policy.eviction import choose_victims
 from daskflow_kv.state.catalog import KVCatalog
 
@@ -68,9 +72,14 @@ class Verdict(NamedTuple):
     need: int  # KV bytes it adds there
 
 
+def _since(members: list) -> float:
+    """When the last of a stuck task's (or gang's) members was submitted."""
+    return max(h.since for _, _, h, _ in members)
+
+
 class BudgetEnforcer:
     __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
-                 "_admit_pending", "_evicting", "_over_budget", "_dirty")
+                 "_admit_pending", "_evicting", "_over_budget", "_dirty", "_progress_at")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
                  quotas: Mapping[str, int] | None = None):
@@ -86,6 +95,7 @@ class BudgetEnforcer:
         self._evicting: set = set()  # keys released by the budget, until Dask confirms
         self._over_budget: set[str] = set()  # workers over budget with only pinned blocks left
         self._dirty = False  # KV use may have changed since the last check (or a worker is still over)
+        self._progress_at = 0.0  # when a KV task last finished or KV last left memory: a parked task's patience runs from here
 
     # -- what other parts ask ---------------------------------------------------------------------
     def is_held(self, key) -> bool:
@@ -106,6 +116,12 @@ class BudgetEnforcer:
         """KV use changed (a block arrived or was spilled, a state was released): check again."""
         self._dirty = True
 
+    def note_progress(self) -> None:
+        """Something freed or may soon free KV (a state released, a block left memory): parked
+        tasks wait on, and try again."""
+        self._progress_at = time.time()
+        self._admit_pending = True
+
     def confirm_evicted(self, key) -> bool:
         """Dask let go of ``key``. -> whether the budget had released it."""
         if key in self._evicting:
@@ -117,7 +133,7 @@ class BudgetEnforcer:
         """``worker`` is gone: nothing is reserved there; parked tasks planned there go elsewhere."""
         self._over_budget.discard(worker)
         self._reserved.pop(worker, None)
-        self._admit_pending = True
+        self.note_progress()
 
     # -- admission --------------------------------------------------------------------------------
     def hold(self, ts, target: str | None, out_bytes: int, namespace: str | None, gang: str | None = None,
@@ -138,7 +154,7 @@ class BudgetEnforcer:
         elif start == "processing" and finish != "processing":
             self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
             self._held.pop(key, None)
-            self._admit_pending = True  # its room may let a waiting task in
+            self.note_progress()  # its room may let a waiting task in
         elif finish in ("released", "forgotten", "erred") and held.worker is None:
             self._held.pop(key, None)
 
@@ -150,6 +166,7 @@ class BudgetEnforcer:
         now = time.time()
         stimulus = f"kv-admit-{now}"
         gangs: dict[str, list] = {}
+        stuck: list[list] = []  # [(key, ts, held, verdict)] per task or gang that nothing can unblock
         for key, held in sorted(self._held.items(), key=lambda kv: kv[1].since):
             ts = self._scheduler.tasks.get(key)
             if ts is None or held.worker is not None or ts.state != "no-worker":
@@ -158,12 +175,33 @@ class BudgetEnforcer:
                 gangs.setdefault(held.gang, []).append((key, ts, held))
                 continue
             d = self._decide(ts, held, now)
-            if d is not None:
+            if d is not None and d.action == STUCK:
+                stuck.append([(key, ts, held, d)])
+            elif d is not None:
                 self._apply(key, ts, held, d, stimulus)
         for members in gangs.values():
-            self._admit_gang(members, now, stimulus)
+            self._admit_gang(members, now, stimulus, stuck)
+        if stuck:
+            self._preempt_youngest(stuck, stimulus)
 
-    def _admit_gang(self, members: list, now: float, stimulus: str) -> None:
+    def _preempt_youngest(self, stuck: list[list], stimulus: str) -> None:
+        """Break a deadlock: on each worker with stuck tasks, fail the youngest (task or gang)
+        with ``KVPreempted``; its workflow releases what it holds there and retries. The
+        others' patience starts again."""
+        youngest: dict[str, list] = {}
+        for members in stuck:
+            worker = members[0][3].worker
+            if worker not in youngest or _since(members) > _since(youngest[worker]):
+                youngest[worker] = members
+        for members in youngest.values():
+            for key, ts, held, d in members:
+                reason = d.reason + "; preempted (the youngest task waiting there) so older ones can run: retry it"
+                self._held.pop(key, None)
+                self._events.record("preempt", held.namespace, worker=d.worker, key=str(key), reason=reason)
+                di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
+        self.note_progress()
+
+    def _admit_gang(self, members: list, now: float, stimulus: str, stuck: list) -> None:
         """All of a gang at once: admitted when every member fits, failed when one never can."""
         waited = now - min(h.since for _, _, h in members)
         if len(members) < members[0][2].gang_size and waited < self._settings.admission_patience:
@@ -183,6 +221,9 @@ class BudgetEnforcer:
             reason = next(v.reason for v in verdicts if v.action == FAIL)
             for (key, ts, held), v in zip(members, verdicts):
                 self._apply(key, ts, held, v._replace(action=FAIL, victims=(), reason=reason), stimulus)
+        elif STUCK in actions:  # preempted as one, if it is the youngest
+            reason = next(v.reason for v in verdicts if v.action == STUCK)
+            stuck.append([(key, ts, held, v._replace(reason=reason)) for (key, ts, held), v in zip(members, verdicts)])
 
     def _pick_worker(self, ts, held: Held) -> str | None:
         workers = self._scheduler.workers
@@ -212,7 +253,6 @@ class BudgetEnforcer:
         ws = self._scheduler.workers[worker]
         need = held.out_bytes + self._usage.incoming(ts, worker)
         wu = self._usage.usage(ws, now)
-        busy = any(self._held[t.key].worker == worker for t in ws.processing if t.key in self._held)
         promised_here = (promised or {}).get(worker, 0)
         reserved = self._reserved.get(worker, 0) + promised_here
         tenancy = NO_QUOTAS
@@ -220,9 +260,13 @@ class BudgetEnforcer:
             by_owner = self._reserved_by_owner(worker)
             by_owner[held.namespace] = by_owner.get(held.namespace, 0) + promised_here
             tenancy = Tenancy(held.namespace, self._quotas, wu.by_owner, by_owner)
-        d = admit(need, wu.used, reserved, budget, wu.blocks, now, busy, now - held.since,
-                  self._settings.admission_patience, worker, tenancy)
+        d = admit(need, wu.used, reserved, budget, wu.blocks, now, self._running(),
+                  now - max(held.since, self._progress_at), self._settings.admission_patience, worker, tenancy)
         return Verdict(d.action, d.victims, d.reason, worker, need)
+
+    def _running(self) -> bool:
+        """A KV task admitted anywhere is still running: its end may release what a parked one needs."""
+        return any(h.worker is not None for h in self._held.values())
 
     def _reserved_by_owner(self, worker: str) -> dict[str | None, int]:
         """Bytes promised to each namespace's admitted, running tasks on ``worker``."""

@@ -255,15 +255,20 @@ class ClientHandlers:
                 raise ValueError(f"state {sid}: {name} must be a short string")
         return {**meta, "block_keys": keys, "parents": _strings("parents", meta.get("parents", []))}
 
-    def handle_release_state(self, session: str, state_id: str) -> None:
+    def handle_release_state(self, session: str, state_id: str, reuse_expected: bool = False) -> None:
+        """``reuse_expected``: a later step of the caller's workflow reads this state's blocks
+        again (evicted last for ``scheduler.reuse-hint``)."""
         s = self._session(session)
         st = self._catalog.states.get(state_id)
         if st is None:
             return
         if not s.sees(st.namespace):
             raise AccessDenied(f"state {state_id} is not one of namespace {s.namespace!r}'s")
+        if reuse_expected is True:
+            self._leases.plan([k for k in st.block_keys if k in self._catalog.blocks], time.time())
         self._catalog.release_state(state_id)
         self._budget.note_change()
+        self._budget.note_progress()
         self._events.record("release", st.namespace, state_id=state_id)
 
     # -- views ----------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ a block found in the cache cannot be evicted before the client holds its future;
 released block that is needed again is recomputed by Dask from its lineage. Each acquired
 key is also leased for ``lease_seconds``: the budget leaves it alone until its reader's
 task holds it.
+
+A released state a later step will read can be announced (``plan``): its blocks are
+evicted last until they are read again or the hint runs out (``policy.eviction``, rule 3).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ def usable(ts) -> bool:
 
 
 class LeaseBook:
-    __slots__ = ("_scheduler", "_catalog", "_settings", "_until")
+    __slots__ = ("_scheduler", "_catalog", "_settings", "_until", "_planned")
 
     def __init__(self, scheduler, catalog: KVCatalog, settings: KVSettings):
         self._scheduler = scheduler  # tasks and clients to want keys for
         self._catalog = catalog  # which keys are cataloged blocks (the cache keeps those)
         self._settings = settings  # lease_seconds, read at each acquisition
         self._until: dict = {}  # key -> time until which eviction leaves it alone
+        self._planned: dict = {}  # key -> time until which eviction takes it last (announced reuse)
 
     def acquire(self, keys: list, client: str | None) -> dict:
         """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state."""
@@ -44,6 +48,7 @@ class LeaseBook:
         now = time.time()
         for k in known:
             self._until[k] = now + self._settings.lease_seconds
+            self._planned.pop(k, None)  # the announced reuse came: the lease takes over
         if client in self._scheduler.clients:  # not a client that has gone meanwhile
             di.want(self._scheduler, known, client)
         di.want(self._scheduler, [k for k in known if k in self._catalog.blocks], CACHE_CLIENT)
@@ -55,6 +60,15 @@ class LeaseBook:
     def is_leased(self, key, now: float) -> bool:
         return self._until.get(key, 0.0) > now
 
+    def plan(self, keys, now: float) -> None:
+        """A later step will read ``keys``: evict them last for ``reuse_hint`` seconds."""
+        for k in keys:
+            self._planned[k] = now + self._settings.reuse_hint
+
+    def is_planned(self, key, now: float) -> bool:
+        return self._planned.get(key, 0.0) > now
+
     def expire(self, now: float) -> None:
         """Forget leases that ran out (the periodic check)."""
         self._until = {k: t for k, t in self._until.items() if t > now}
+        self._planned = {k: t for k, t in self._planned.items() if t > now}

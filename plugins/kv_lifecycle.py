@@ -46,6 +46,7 @@ class BlockLifecycle:
                 self._events.record("recompute", entry.namespace, reason="lineage", key=key, workers=where)
             self._budget.note_change()
         elif start == "memory":
+            self._budget.note_progress()  # room was freed: parked tasks wait on from now
             ts = self._scheduler.tasks.get(key)
             wanted = ts is not None and bool(ts.who_wants or ts.waiters)
             if self._budget.confirm_evicted(key):
@@ -66,6 +67,14 @@ class BlockLifecycle:
         elif finish == "erred":
             self._catalog.set_status(key, "erred")
             self._catalog.index.remove(key)
+            # The cache lets go (after this transition batch): a block key kept erred would
+            # fail every later submission of the same content instead of computing it again.
+            self._scheduler.loop.add_callback(self._let_go_erred, key)
+
+    def _let_go_erred(self, key) -> None:
+        ts = self._scheduler.tasks.get(key)
+        if ts is not None and ts.state == "erred":
+            di.unwant(self._scheduler, [key], CACHE_CLIENT, f"kv-erred-{time.time()}")
 
     def drop_lost_cache_only(self, stimulus_id: str) -> int:
         """After a worker died: the cache lets go of the blocks lost with it that only the cache

@@ -19,7 +19,8 @@ class KVSettings:
     memory_weight: float  # lambda: seconds the planner charges per KV byte placed
     evict_interval: float  # s between the plugin's periodic checks (budget, leases, orphans)
     lease_seconds: float  # s a looked-up block is kept from eviction, until its reader holds it
-    admission_patience: float  # s a parked task waits when nothing else runs on its worker
+    admission_patience: float  # s a parked task waits with no progress anywhere, then fails
+    reuse_hint: float  # s a released state's blocks announced for reuse are evicted last
     prefill_samples: int  # prefill timings kept per worker for the profile fit
     session_ttl: float  # s a session lives unused
     register_wait: float  # s kv_register_states waits for its blocks' tasks to arrive
@@ -35,6 +36,7 @@ class KVSettings:
             evict_interval=config.get_seconds("scheduler.evict-interval", evict_interval),
             lease_seconds=config.get_seconds("scheduler.lease", lease_seconds),
             admission_patience=config.get_seconds("scheduler.admission-patience"),
+            reuse_hint=config.get_seconds("scheduler.reuse-hint"),
             prefill_samples=int(config.get("scheduler.prefill-samples")),
             session_ttl=config.get_seconds("scheduler.session-ttl"),
             register_wait=config.get_seconds("scheduler.register-wait"),

@@ -1,6 +1,6 @@
 """Admission under the KV budget on plain numbers, with and without tenants' quotas. Pure policy."""
 
-from daskflow_kv.policy.admission import ADMIT, FAIL, WAIT, Tenancy, admit
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Tenancy, admit
 from daskflow_kv.policy.eviction import BlockUsage
 
 NOW = 1000.0
@@ -11,13 +11,15 @@ def blk(key, owner, nbytes=100, pinned=False, age=10.0):
     return BlockUsage(key, nbytes, NOW - age, 0, pinned, None, 0, owner)
 
 
-def test_without_tenants_it_admits_evicts_waits_and_fails_as_before():
+def test_without_tenants_it_admits_evicts_waits_and_fails_only_what_can_never_fit():
     assert admit(100, 500, 0, 1000, [], NOW).action == ADMIT
     d = admit(300, 900, 0, 1000, [blk("x", None, 200), blk("y", None, 100, pinned=True)], NOW)
     assert (d.action, d.victims) == (ADMIT, ("x",))
     assert admit(300, 900, 0, 1000, [blk("y", None, 900, pinned=True)], NOW, busy=True).action == WAIT
-    d = admit(300, 900, 0, 1000, [blk("y", None, 900, pinned=True)], NOW)
-    assert d.action == FAIL and "are pinned" in d.reason and "quota" not in d.reason
+    pinned = [blk("y", None, 900, pinned=True)]
+    assert admit(300, 900, 0, 1000, pinned, NOW, waited=1.0, patience=3.0).action == WAIT  # in line
+    d = admit(300, 900, 0, 1000, pinned, NOW, waited=3.0, patience=3.0)  # nothing ran, nothing freed
+    assert d.action == STUCK and "are pinned" in d.reason and "quota" not in d.reason
     assert admit(1001, 0, 0, 1000, [], NOW).action == FAIL
 
 
@@ -26,7 +28,7 @@ def test_another_tenant_cannot_take_the_quota_alice_does_not_use_yet():
     bob = [blk(f"b{i}", "bob", pinned=True) for i in range(5)]
     t = Tenancy("bob", QUOTAS, {"bob": 500}, {})
     d = admit(200, 500, 0, 1000, bob, NOW, tenancy=t)
-    assert d.action == FAIL and "quota" in d.reason  # 500 + 200 > 1000 - 400
+    assert d.action == STUCK and "quota" in d.reason  # 500 + 200 > 1000 - 400: no room (stuck, no patience)
     assert admit(100, 500, 0, 1000, bob, NOW, tenancy=t).action == ADMIT  # 600 fits beside alice's 400
     # alice's own task fits in what her quota kept free
     assert admit(400, 500, 0, 1000, bob, NOW, tenancy=Tenancy("alice", QUOTAS, {"bob": 500}, {})).action == ADMIT
@@ -39,7 +41,7 @@ def test_a_tenant_evicts_another_only_down_to_its_quota():
     d = admit(300, 900, 0, 1000, alice + bob, NOW, tenancy=t)
     assert d.action == ADMIT and sum(v.startswith("a") for v in d.victims) <= 2  # alice keeps >= 400
     d = admit(400, 900, 0, 1000, alice + [blk(f"b{i}", "bob", pinned=True) for i in range(3)], NOW, tenancy=t)
-    assert d.action == FAIL  # 200 of alice's may go, not 300: her quota is guaranteed
+    assert d.action == STUCK  # 200 of alice's may go, not 300: her quota is guaranteed
 
 
 def test_a_task_larger_than_what_the_others_quotas_leave_can_never_fit():

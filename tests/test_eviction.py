@@ -175,3 +175,12 @@ def test_floors_never_change_a_plan_without_owners():
         budget = rng.randint(0, used)
         assert choose_victims(blocks, used, budget, NOW, floors={"alice": 10 ** 6}) == \
             choose_victims(blocks, used, budget, NOW)
+
+
+def test_a_block_announced_for_reuse_goes_last_but_still_goes_under_pressure():
+    planned = BlockUsage("plan", 100, NOW - 999, 0, planned=True)  # oldest: by score alone it goes first
+    fresh = [blk(f"k{i}", 100, age=i) for i in range(3)]
+    plan = choose_victims([planned, *fresh], used_bytes=400, budget_bytes=200, now=NOW)
+    assert plan.victims == ("k2", "k1")  # the hint wins over age
+    plan = choose_victims([planned, *fresh], used_bytes=400, budget_bytes=0, now=NOW)
+    assert plan.victims[-1] == "plan" and not plan.over_budget_pinned  # soft: never a deadlock

@@ -71,6 +71,8 @@ def test_budget_evicts_released_states_keeps_live_ones_and_recomputes_identicall
     assert again.state.block_keys == first_keys  # same content addresses as before
     g = rt.resume(again, rt.encode(SUFFIXES[0]), max_new_tokens=NEW)
     assert g.tokens == outputs[0] == engine.generate_text(contexts[0] + rt.encode(SUFFIXES[0]), NEW).tokens
+    regretted = rt.counters()["counters"]["evictions_regretted"]
+    assert regretted >= len(gone)  # each evicted block made again is an eviction the budget regrets
     rt.release(again)
     rt.release(g.state)
 

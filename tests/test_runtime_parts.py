@@ -127,3 +127,11 @@ KNOWN = {"cluster.py import _preload_argv"}
 def test_no_module_calls_another_modules_private_methods(folder):
     found = [hit for path in sorted((ROOT / folder).glob("*.py")) for hit in _private_calls(path)]
     assert [h for h in found if h.split(":")[0] + " " + h.split(" ", 1)[1] not in KNOWN] == []
+
+
+def test_a_batch_is_cut_to_what_one_task_may_take_under_the_budget():
+    from daskflow_kv.runtime.resume_planner import split_by_bytes
+
+    sizes = {0: 40, 1: 40, 2: 40, 3: 100, 4: 10}
+    assert split_by_bytes([[0, 1, 2], [3, 4]], sizes.get, None) == [[0, 1, 2], [3, 4]]
+    assert split_by_bytes([[0, 1, 2], [3, 4]], sizes.get, 80) == [[0, 1], [2], [3], [4]]  # 100 alone: never cut

@@ -2,7 +2,8 @@
 
 The streams (``load_stream``): documents in turn (``uniform``), drawn from a Zipf law
 (``zipf``), and the Zipf stream under a per-worker KV budget that holds only part of the
-working set (``zipf-budget``; ``local``'s engines retain the same bytes). The same
+working set - but at least one workflow's whole KV, so every workflow can fit - (``zipf-budget``;
+``local``'s engines retain the same bytes; concurrent workflows must wait in line for room). The same
 workflows at every rate and repetition (only the arrival times change), so text replay -
 run once per stream kind - is the token reference of all of them. Each system starts every
 stream with every cache empty; what the stream leaves cached is what serving lives on.
@@ -172,14 +173,16 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
         for kind in streams:
             doc_of = doc_sequence(n, docs, kind.removesuffix("-budget"), seed=7, s=zipf_s)
             salt = f"exp7-{kind}-{random.randrange(1 << 30)}"  # the same workflows at every rate and rep
-            # Part of the working set, but room for a few workflows' own prompts: a task larger than
-            # the whole budget could never run (and would rightly fail).
-            budget = max(int(budget_fraction * working_set), 3 * context * rt.facts.bytes_per_token) \
-                if kind.endswith("-budget") else None
             S.reset_caches(b)  # the reference: text replay, once per kind
             records = run_stream(benches, "text", schedule(n, min(rates), doc_of, seed=1), texts, salt, max_new)
             ref = {r["index"]: r["tokens"] for r in records if "error" not in r}
             text_tokens = sum(r["prefilled"] for r in records if "error" not in r)
+            # Part of the working set, but never less than what one workflow could hold at once
+            # (all its agents' prompts and outputs, nothing shared): a workflow larger than the
+            # whole budget could never run, and would rightly fail.
+            one = max((r["prefilled"] + max_new * len(r["tokens"]) for r in records if "error" not in r), default=0)
+            budget = max(int(budget_fraction * working_set), one * rt.facts.bytes_per_token) \
+                if kind.endswith("-budget") else None
             if progress:
                 progress.step(f"exp7 {kind} text reference ({len(ref)}/{n} workflows)")
             for rate in sorted(rates):

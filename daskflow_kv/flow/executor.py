@@ -10,16 +10,20 @@ text, so their tokens must agree exactly.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 from .. import validation
+from ..errors import KVPreempted
 from . import html_repr
 from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
+
+MAX_PREEMPTIONS = 8  # a level preempted this often gives up with the budget's error
 
 _RUNTIME_POLICY = {"auto": "auto", "fork": "auto", "evict": "auto", "alias": "pin", "pin": "pin",
                    "transfer": "transfer", "recompute": "recompute"}
@@ -59,6 +63,7 @@ class WorkflowResult:
     explain: str = ""
     # every prefill the run made: {"level", "op" (materialize | resume | recompute), "worker", "tokens"}
     prefills: list[dict] = field(default_factory=list)
+    preemptions: int = 0  # levels redone because the budget preempted them to break a deadlock
 
     @property
     def generated_tokens(self) -> int:
@@ -75,6 +80,7 @@ class WorkflowResult:
             "level_tokens_computed": self.level_tokens_computed,
             "agents": {n: asdict(a) for n, a in self.agents.items()},
             "lineage": self.lineage,
+            "preemptions": self.preemptions,
         }
 
 
@@ -143,8 +149,7 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
     lineage: dict[str, list[dict]] = {}
     states = {}
     followed = {a.follows for a in wf.agents.values() if a.follows}
-    level_tokens, prefills = [], []
-    kept = []  # group prefixes a later level reads: live until the workflow ends (then the cache keeps them)
+    level_tokens, prefills, preemptions = [], [], 0
     t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         if progress:
@@ -153,8 +158,65 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
         level_at = time.time()
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         add_level_nodes(cw, lvl, prompts, estimated=False)
-        computed = 0
-        buckets: dict[tuple, list] = {}
+        for attempt in itertools.count():
+            try:
+                computed, made, done = _run_level(rt, wf, lvl, names, prompts, read_later, parallel)
+                break
+            except KVPreempted:  # the budget's deadlock breaker chose this workflow: back off, redo the level
+                if attempt + 1 >= MAX_PREEMPTIONS:
+                    raise
+                preemptions += 1
+                time.sleep(min(2.0, 0.1 * 2 ** attempt))
+        prefills += made
+        for name, branch, gen, planned_at in done:
+            m = _metrics(gen)
+            d = gen.placement.decision
+            # A destination pays its transfer or rebuild once, charged to its first branch.
+            moved = d.nbytes if (d is not None and d.action == "transfer" and gen.placement.first) else 0
+            computed += m.get("tokens_recomputed", 0)
+            computed += m["tokens_computed"]
+            if m.get("tokens_recomputed"):
+                prefills.append({"level": lvl, "op": "recompute", "worker": gen.worker,
+                                 "tokens": m["tokens_recomputed"]})
+            prefills.append({"level": lvl, "op": "resume", "worker": gen.worker, "tokens": m["tokens_computed"]})
+            outputs[name] = gen.text
+            results[name] = AgentResult(
+                name, lvl, gen.text, list(gen.tokens), len(prompts[name]), gen.worker,
+                m["first_token_at"] - wall0, m["prefill_s"], m["decode_s"],
+                tokens_reused=m["tokens_reused"],
+                tokens_computed=m["tokens_computed"],
+                tokens_recomputed=m.get("tokens_recomputed", 0),
+                bytes_transferred=moved,
+                decision=d.action if d is not None else "reuse",
+                first_token_at=m["first_token_at"], level_started_at=level_at,
+                planned_finish_at=planned_at + gen.placement.finish_s,
+                finished_at=m["first_token_at"] + m["decode_s"],
+            )
+            lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
+            rt.release(branch)
+            # Keep a continuation live only when a later agent continues it (``follows``):
+            # the rest stay cached for reuse but evictable, so under a KV budget the
+            # workflow's pinned working set is what it still needs, not all it made.
+            if name in followed and wf.agents[name].policy != "evict":
+                states[name] = gen.state
+            else:
+                rt.release(gen.state)
+        level_tokens.append(computed)
+    result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
+                            prefills=prefills, preemptions=preemptions)
+    result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
+    for st in states.values():
+        rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
+    return result
+
+
+def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel):
+    """One level in state mode: per prefix group a materialize and a fork, then the agents'
+    resumes. -> (tokens computed, prefills, [(name, branch, generation, planned_at)]).
+    A ``KVPreempted`` leaves nothing of the attempt live: its states are released."""
+    computed, prefills, made, done = 0, [], [], []
+    buckets: dict[tuple, list] = {}
+    try:
         for group in group_by_prefix(prompts, rt.block_size):
             first = prompts[group.members[0]]
             # Not waited for: the planner places the branches while the prefix is still being
@@ -169,55 +231,23 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
                 a = wf.agents[member]
                 key = (a.max_new_tokens, a.sampling, _RUNTIME_POLICY[a.policy])
                 buckets.setdefault(key, []).append((member, branch, prompts[member][group.prefix_len :]))
-            # KVFlow's rule: a state a later level reads stays until that reader has run; the
-            # budget cannot evict it between levels (it would be prefilled again).
-            if any(r in read_later for m in group.members for r in wf.agents[m].reads if r in wf.contexts):
-                kept.append(prefix)
-            else:
-                rt.release(prefix)
+                made.append(branch)
+            # KVFlow's rule, kept soft: a prefix a later level reads again is evicted last
+            # (it would be prefilled again), but never pinned - concurrent workflows under a
+            # budget must not deadlock on each other's plans. The later level looks it up.
+            rt.release(prefix, reuse_expected=any(r in read_later for m in group.members
+                                                  for r in wf.agents[m].reads if r in wf.contexts))
         for (max_new, sampling, policy), reqs in buckets.items():
             planned_at = time.time()
             gens = rt.resume_many([(b, s) for _, b, s in reqs], max_new, sampling, policy=policy)
-            for (name, branch, suffix), gen in zip(reqs, gens):
-                m = _metrics(gen)
-                d = gen.placement.decision
-                # A destination pays its transfer or rebuild once, charged to its first branch.
-                moved = d.nbytes if (d is not None and d.action == "transfer" and gen.placement.first) else 0
-                computed += m.get("tokens_recomputed", 0)
-                computed += m["tokens_computed"]
-                if m.get("tokens_recomputed"):
-                    prefills.append({"level": lvl, "op": "recompute", "worker": gen.worker,
-                                     "tokens": m["tokens_recomputed"]})
-                prefills.append({"level": lvl, "op": "resume", "worker": gen.worker, "tokens": m["tokens_computed"]})
-                outputs[name] = gen.text
-                results[name] = AgentResult(
-                    name, lvl, gen.text, list(gen.tokens), len(prompts[name]), gen.worker,
-                    m["first_token_at"] - wall0, m["prefill_s"], m["decode_s"],
-                    tokens_reused=m["tokens_reused"],
-                    tokens_computed=m["tokens_computed"],
-                    tokens_recomputed=m.get("tokens_recomputed", 0),
-                    bytes_transferred=moved,
-                    decision=d.action if d is not None else "reuse",
-                    first_token_at=m["first_token_at"], level_started_at=level_at,
-                    planned_finish_at=planned_at + gen.placement.finish_s,
-                    finished_at=m["first_token_at"] + m["decode_s"],
-                )
-                lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
-                rt.release(branch)
-                # Keep a continuation live only when a later agent continues it (``follows``):
-                # the rest stay cached for reuse but evictable, so under a KV budget the
-                # workflow's pinned working set is what it still needs, not all it made.
-                if name in followed and wf.agents[name].policy != "evict":
-                    states[name] = gen.state
-                else:
-                    rt.release(gen.state)
-        level_tokens.append(computed)
-    result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
-                            prefills=prefills)
-    result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
-    for st in [*states.values(), *kept]:
-        rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
-    return result
+            for (name, branch, _), gen in zip(reqs, gens):
+                done.append((name, branch, gen, planned_at))
+                made.append(gen.state)
+    except KVPreempted:
+        for st in made:
+            rt.release(st)
+        raise
+    return computed, prefills, done
 
 
 def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, parallel=None, progress=None,

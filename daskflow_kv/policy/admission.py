@@ -4,10 +4,15 @@ The budget is a hard limit on the KV a worker holds: before a task that will add
 worker (its output blocks, and the blocks it fetches from other workers) is sent there,
 the worker must have room for all of it. Room is made by evicting unpinned blocks first
 (``eviction.choose_victims``: the same rules as the budget loop). If the pinned working
-set alone leaves no room, the task waits - while other KV tasks run on that worker, and
-for a while in any case (a lookup's lease expires, a client's release is on its way) -
-and then fails with a message naming the budget, the working set and what the task
-needs, rather than exceed the budget or hang.
+set alone leaves no room, the task waits in line: overload is queueing, never failure.
+It fails - with a message naming the budget, the working set and what the task needs -
+only when it can never fit (it needs more than the whole budget). When nothing can free
+room any more - no KV task runs anywhere in the cluster and nothing was released for
+``patience`` seconds: every pinned block belongs to a state some client keeps while it
+waits for a parked task, a deadlock waiting cannot end - the task is ``STUCK``: the
+plugin preempts the youngest stuck task (fails it with ``KVPreempted``, as vLLM preempts
+its newest request), whose workflow releases its states and retries, so the older ones
+go on. Neither exceeding the budget nor hanging.
 
 Tenants with a quota (KV bytes per worker guaranteed to them) are kept apart: a task of
 one tenant may evict another tenant's blocks only down to that tenant's quota (the floors
@@ -25,12 +30,12 @@ from dataclasses import dataclass
 
 from .eviction import BlockUsage, choose_victims
 
-ADMIT, WAIT, FAIL = "admit", "wait", "fail"
+ADMIT, WAIT, FAIL, STUCK = "admit", "wait", "fail", "stuck"
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    action: str  # admit | wait | fail
+    action: str  # admit | wait | fail | stuck
     victims: tuple[str, ...] = ()  # blocks to evict before the task is sent (admit)
     reason: str = ""  # why it waits or fails, for the user
 
@@ -71,9 +76,10 @@ def admit(need: int, held: int, reserved: int, budget: int, blocks: Iterable[Blo
     """Decide for a task needing ``need`` more KV bytes on a worker.
 
     held: KV bytes the worker holds now; reserved: bytes already promised to tasks sent
-    there and still running; blocks: what the worker holds, for eviction; busy: other KV
-    tasks are running there; waited: seconds the task has been parked; patience: how long
-    it may wait when nothing runs there; tenancy: whose task it is and the tenants' quotas.
+    there and still running; blocks: what the worker holds, for eviction; busy: KV tasks
+    are running somewhere (their ends release states); waited: seconds since the task was
+    parked or anything last freed KV, whichever is later; patience: how long it may wait
+    with no progress at all; tenancy: whose task it is and the tenants' quotas.
     """
     if need > budget:
         return Admission(FAIL, reason=f"this task needs {_mib(need)} of KV on {worker}, more than the whole "
@@ -95,4 +101,4 @@ def admit(need: int, held: int, reserved: int, budget: int, blocks: Iterable[Blo
            f"to running tasks and {_mib(pinned)} are pinned (live states, leases, running readers)"
            + (f" or kept for other tenants' quotas ({_mib(budget - room)} of them unused)" if others else "")
            + "; release states or raise daskflow-kv.kv-budget")
-    return Admission(WAIT if (busy or waited < patience) else FAIL, reason=why)
+    return Admission(WAIT if (busy or waited < patience) else STUCK, reason=why)

@@ -88,6 +88,7 @@ class ClusterView:
     bandwidth_override: float | None = None  # what-if: every pair at this bandwidth
     prefill_override: PrefillProfile | None = None  # what-if: every worker with this profile
     latency: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> fitted s per fetch
+    kv_budget_bytes: int | None = None  # KV bytes each worker may hold (None: no budget)
 
     @classmethod
     def from_snapshot(cls, snap: Mapping, bandwidth_override=None, prefill_override=None) -> ClusterView:
@@ -102,7 +103,7 @@ class ClusterView:
         profiles = {w: PrefillProfile(p["a"], p["b"], p["c"]) for w, p in snap["prefill_profiles"].items()}
         workers = {w: WorkerLoad.from_answer(row) for w, row in snap["workers"].items()}
         return cls(workers, bandwidth, profiles, snap.get("memory_weight") or 0.0, bandwidth_override,
-                   prefill_override, latency)
+                   prefill_override, latency, snap.get("kv_budget_bytes"))
 
     def link(self, src: str, dst: str) -> LinkProfile | None:
         lat = self.latency.get((src, dst)) or self.latency.get((dst, src))

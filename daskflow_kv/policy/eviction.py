@@ -11,9 +11,13 @@ Rules, in order of strength:
 2. Chains are cut from the end: a block is a candidate only once every cached child of it
    is gone (or chosen earlier in the same plan). A prefix without its suffix still serves
    a shorter prompt; a suffix without its prefix serves nobody.
-3. Among candidates, the lowest keep score goes first (see ``eviction_score``), ties broken
+3. A block announced for reuse (``planned``: a later step of a running workflow reads it,
+   KVFlow's workflow-aware hint) goes only after every other candidate: evicting it
+   means prefilling it again soon. A hint is soft - under pressure it still goes, so a
+   workflow's plans can never deadlock the budget.
+4. Among candidates, the lowest keep score goes first (see ``eviction_score``), ties broken
    by deeper ``token_start``, then by key, so a plan is reproducible.
-4. Stop as soon as the worker is back within budget: evicting more wastes future reuse.
+5. Stop as soon as the worker is back within budget: evicting more wastes future reuse.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class BlockUsage:
     parent: str | None = None  # key of the previous block of the chain (None: first block)
     token_start: int = 0  # position of the block's first token: deeper goes first on ties
     owner: str | None = None  # the tenant (namespace) whose block it is; None: nobody's
+    planned: bool = False  # a later step of a running workflow will read it: evicted last
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +108,8 @@ def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: 
         if b.parent in children and b.parent != b.key:
             children[b.parent] += 1
 
-    def entry(b: BlockUsage) -> tuple[float, int, str]:
-        return (eviction_score(b, now, weights), -b.token_start, b.key)
+    def entry(b: BlockUsage) -> tuple[bool, float, int, str]:
+        return (b.planned, eviction_score(b, now, weights), -b.token_start, b.key)
 
     floors = floors or {}
     left = dict(owner_bytes(by_key.values()) if held is None else held)  # owner -> bytes it still holds
@@ -117,7 +122,7 @@ def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: 
     victims: list[str] = []
     freed = 0
     while heap and used_bytes - freed > budget_bytes:
-        _, _, key = heapq.heappop(heap)
+        *_, key = heapq.heappop(heap)
         b = by_key[key]
         if not above_floor(b):  # its owner holds no more than its floor: it only shrinks, so never in this plan
             continue

@@ -213,14 +213,16 @@ class KVRuntime:
         compat.check_pair(a.state, b.state)
         return self.materializer.merge(a, b, how)
 
-    def release(self, state: DistKVState) -> None:
-        """Drop this handle's references; cached blocks stay until evicted under the budget."""
+    def release(self, state: DistKVState, reuse_expected: bool = False) -> None:
+        """Drop this handle's references; cached blocks stay until evicted under the budget.
+        ``reuse_expected``: a later step will look this context up again - its blocks are
+        evicted last (``scheduler.reuse-hint``), a hint the budget may still override."""
         validation.instance("state", state, DistKVState)
         if state.released:
             return
         state.released = True
         state.futures = ()  # forks share the tuple: the blocks go only when no handle holds it
-        self.plugin.release_state(state.state_id)
+        self.plugin.release_state(state.state_id, bool(reuse_expected))
 
     # -- baseline and introspection ---------------------------------------------------------
     def generate_text(self, tokens: Sequence[int] | str, max_new_tokens: int = 32, sampling: SamplingParams = GREEDY,

@@ -29,7 +29,7 @@ from .planner import Planner, predict_seconds
 from .prefix_cache import PrefixCache
 from .publish import NewBlocks, Publisher, blocks_of
 from .registry import NewState, StateRegistry
-from .resume_planner import Branch, ResumePlanner, batch_groups
+from .resume_planner import Branch, ResumePlanner, batch_groups, split_by_bytes
 from .submit import Submitter
 
 
@@ -61,6 +61,8 @@ class Resumer:
         # A model whose attention batched resume cannot reproduce resumes branch by branch,
         # decided here, before anything is submitted.
         groups = batch_groups(branches, batch and self.facts.batch_unsupported is None)
+        budget = view.kv_budget_bytes  # one batch takes at most half a worker's budget
+        groups = split_by_bytes(groups, lambda i: self.submitter.out_bytes(reqs[i]), budget // 2 if budget else None)
         outputs: list[Future | None] = [None] * len(branches)
         wanted: list[tuple[list[int], Future]] = []  # (branches, future of their small results)
         replicas: Replicas = {}

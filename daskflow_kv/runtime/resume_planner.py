@@ -10,7 +10,7 @@ keeps the plain prefill.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..policy.cluster_view import ClusterView
@@ -68,3 +68,22 @@ def batch_groups(branches: Sequence[Branch], batch: bool) -> list[list[int]]:
         slot = (id(b.held), p.reused, p.worker, p.action) if batch and p.worker else ("single", i)
         groups.setdefault(slot, []).append(i)
     return list(groups.values())
+
+
+def split_by_bytes(groups: list[list[int]], nbytes: Callable[[int], int], most: int | None) -> list[list[int]]:
+    """Cut each batch so its KV output stays within ``most`` bytes (None: no limit). Under a
+    per-worker budget a batch larger than the room one task may take could never be admitted,
+    or would hold the budget for every other workflow while it runs; a branch alone is never cut."""
+    if most is None:
+        return groups
+    out = []
+    for idxs in groups:
+        part, size = [], 0
+        for i in idxs:
+            if part and size + nbytes(i) > most:
+                out.append(part)
+                part, size = [], 0
+            part.append(i)
+            size += nbytes(i)
+        out.append(part)
+    return out

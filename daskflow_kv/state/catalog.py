@@ -40,6 +40,7 @@ COUNTERS = (
     "lineage_recomputes",  # blocks Dask computed again after they left memory
     "evictions",
     "bytes_evicted",
+    "evictions_regretted",  # evicted blocks that were computed (or loaded) again later: the budget's misses
     "store_writes",  # blocks workers wrote to the persistent store
     "store_bytes_written",
     "store_loads",  # blocks loaded from the store instead of prefilled
@@ -49,6 +50,7 @@ COUNTERS = (
 BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
 TIERS = ("memory", "spilled", "store", "")
 MAX_STORE_ONLY = 4096  # persisted blocks Dask forgot that the catalog keeps listing (newest used)
+MAX_EVICTED = 65536  # evicted block keys remembered, newest kept, to count an eviction regretted
 
 
 @dataclass(slots=True)
@@ -91,6 +93,7 @@ class KVCatalog:
         self.live_holders: dict[str, set[str]] = {}  # block key -> live states listing it
         self.index = PrefixIndex()  # blocks Dask still knows (any status but forgotten)
         self._counters: dict[str | None, dict[str, float]] = {}  # namespace (None: the cluster's) -> counters
+        self._evicted: dict[str, str | None] = {}  # block key -> its namespace, evicted and not back yet
 
     # -- blocks ---------------------------------------------------------------------------
     def add_block(self, meta: dict, namespace: str = "") -> BlockEntry:
@@ -127,12 +130,19 @@ class KVCatalog:
         entry = self.blocks.get(key)
         if entry is not None:
             entry.status = status
+            if status == "evicted":
+                self._evicted.pop(key, None)
+                self._evicted[key] = entry.namespace
+                if len(self._evicted) > MAX_EVICTED:
+                    del self._evicted[next(iter(self._evicted))]
 
     def entered_memory(self, key: str) -> bool:
         """Record a block reaching memory; True when it had been computed before (a recompute)."""
         entry = self.blocks.get(key)
         if entry is None:
             return False
+        if key in self._evicted:  # the budget let it go and it was needed again
+            self.count("evictions_regretted", namespace=self._evicted.pop(key))
         again = entry.computed
         if again:
             entry.recomputes += 1

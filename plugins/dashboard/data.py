@@ -24,7 +24,7 @@ MAX_NODES = 48  # states drawn in the lineage graph (newest, whole families)
 MAX_DECISIONS = 16
 MAX_EVENTS = 24
 LIFECYCLE_OPS = ("materialize", "fork", "resume", "extend", "merge", "recompute", "transfer", "evict", "lost",
-                 "release", "worker-lost", "over-budget")
+                 "release", "worker-lost", "over-budget", "preempt")
 
 
 

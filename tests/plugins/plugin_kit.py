@@ -58,14 +58,15 @@ def kv_value(nbytes: int) -> np.ndarray:
 
 
 def submit_block(client, session: str, worker: str, nbytes: int, start: int = 0, parent: str | None = None,
-                 state_id: str = "kvstate-test-000000000000"):
-    """A cataloged block of ``nbytes`` on ``worker``, chained after ``parent`` (``session``'s namespace's)."""
-    key = block_key(secrets.token_hex(16), _NAMESPACES[session])
+                 state_id: str = "kvstate-test-000000000000", fn=None, key: str | None = None):
+    """A cataloged block of ``nbytes`` on ``worker``, chained after ``parent`` (``session``'s
+    namespace's); ``fn``: its task body (default ``kv_value``); ``key``: a known content address."""
+    key = key or block_key(secrets.token_hex(16), _NAMESPACES[session])
     meta = {"key": key, "start": start, "end": start + BLOCK_TOKENS, "nbytes": nbytes,
             "tokens": list(range(start, start + BLOCK_TOKENS)), "parent": parent, "fingerprint": FINGERPRINT,
             "root": FINGERPRINT, "state_id": state_id}
     with dask.annotate(kv={"role": "block", "meta": meta}):
-        return client.submit(kv_value, nbytes, key=key, workers=[worker], pure=False)
+        return client.submit(fn or kv_value, nbytes, key=key, workers=[worker], pure=False)
 
 
 def submit_compute(client, session: str | None, target: str, fn=kv_value, *args, kv_out: int = 0,

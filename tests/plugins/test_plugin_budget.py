@@ -8,12 +8,13 @@ import asyncio
 import time
 
 import pytest
+from distributed import wait
 from distributed.utils_test import gen_cluster
 
 from daskflow_kv import dask_internals as di
-from daskflow_kv.errors import KVBudgetError
-from plugin_kit import (events, kv_config, kv_value, login, start_plugin, submit_block, submit_compute,
-                        state_of, until, wanted_only_by_cache)
+from daskflow_kv.errors import KVBudgetError, KVPreempted
+from plugin_kit import (events, gate, kv_config, kv_value, login, start_plugin, submit_block, submit_compute,
+                        state_of, until, wait_at_gate, wanted_only_by_cache)
 
 TWO_WORKERS = [("127.0.0.1", 1)] * 2
 PATIENT = kv_config(**{"scheduler.admission-patience": "60s"})  # parked tasks wait, never time out here
@@ -63,6 +64,29 @@ async def test_a_kv_task_that_can_never_fit_fails_with_the_budget_in_its_error(c
     assert not plugin.budget.is_held(task.key)
 
 
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
+async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only_on_a_deadlock(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    block = submit_block(c, token, a.address, 800)  # the client keeps it: pinned on a
+    await block
+    opened = gate("stream")
+    running = submit_compute(c, token, b.address, wait_at_gate, "stream", kv_out=10)  # a KV task at work on b
+    await until(lambda: state_of(s, running.key) == "processing", what="b's task to start")
+    task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500)
+    await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked")
+    await asyncio.sleep(1.5)  # three patiences: it waits in line, since b's task may still free room
+    assert plugin.budget.awaiting_admission(task.key) and not events(plugin, "over-budget")
+
+    t0 = time.monotonic()
+    opened.set()  # the cluster goes idle and the client keeps its block: nothing can free room now
+    await running
+    with pytest.raises(KVBudgetError, match="are pinned"):
+        await task
+    assert 0.4 < time.monotonic() - t0 < 5  # one patience after the last progress, not at once
+    assert block.key in a.data
+
+
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
 async def test_eviction_takes_the_lowest_score_and_cuts_chains_from_the_end(c, s, a, b):
     plugin = await start_plugin(s, evict_interval="50ms")  # no budget yet
@@ -109,3 +133,58 @@ async def test_a_lease_keeps_a_looked_up_block_until_it_expires(c, s, a, b):
     await until(lambda: events(plugin, "evict"), timeout=5, what="the eviction once the lease ran out")
     [evict] = events(plugin, "evict")
     assert evict["key"] == key and evict["time"] >= t0 + 1.0
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_a_block_announced_for_reuse_is_evicted_after_the_others_until_it_is_read(c, s, a, b):
+    plugin = await start_plugin(s, evict_interval="50ms")
+    token = await login(c)
+    old = submit_block(c, token, a.address, 300)
+    await old
+    new = submit_block(c, token, a.address, 300)
+    await new
+    keys = {"old": old.key, "new": new.key}
+    del old, new
+    await until(lambda: all(wanted_only_by_cache(s, k) for k in keys.values()), what="the client's releases")
+    plugin.leases.plan([keys["old"]], time.time())  # what kv_release_state(reuse_expected=True) does
+    await c.scheduler.kv_configure(session=token, kv_budget_bytes=400)
+    assert [e["key"] for e in events(plugin, "evict")] == [keys["new"]]  # the older one was announced
+    assert await c.scheduler.kv_acquire(session=token, keys=[keys["old"]]) == {keys["old"]: "memory"}
+    assert not plugin.leases.is_planned(keys["old"], time.time())  # read: the lease takes over
+
+
+
+def _fails(nbytes: int):
+    raise RuntimeError("this block's task failed")
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_an_erred_block_is_let_go_so_the_same_content_computes_again(c, s, a, b):
+    await start_plugin(s, evict_interval="50ms")
+    token = await login(c)
+    bad = submit_block(c, token, a.address, 100, fn=_fails)
+    key = bad.key
+    await wait(bad)
+    assert bad.status == "error"
+    del bad  # the client lets go; the cache must too, or the key stays erred for good
+    await until(lambda: key not in s.tasks, what="the erred block to be forgotten")
+    again = submit_block(c, token, a.address, 100, key=key)  # the same content address, submitted anew
+    assert len(await again) == 100
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
+async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    held = submit_block(c, token, a.address, 700)  # a client keeps it while its task waits: pinned
+    await held
+    older = submit_compute(c, token, a.address, kv_value, 400, kv_out=400)
+    await until(lambda: state_of(s, older.key) == "no-worker", what="the older task to be parked")
+    younger = submit_compute(c, token, a.address, kv_value, 400, kv_out=400)
+    with pytest.raises(KVPreempted, match="preempted"):
+        await younger
+    assert plugin.budget.awaiting_admission(older.key)  # the older one waits on, its patience anew
+    [pre] = events(plugin, "preempt")
+    assert pre["key"] == younger.key
+    del held  # its client lets go: the older task runs
+    assert len(await older) == 400
