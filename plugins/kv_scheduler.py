@@ -248,7 +248,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
         sample = _prefill_sample(msg)
         if sample is None:
             return
-        self.profiles.add_sample(msg["worker"], sample)
+        if not msg.get("shared_steps"):  # batched with other requests: the time was not this prefill's alone
+            self.profiles.add_sample(msg["worker"], sample)
         if msg.get("op") != "calibrate":
             namespace = self.tenants.namespace_of_tag(msg.get("tag"))  # the tag of the task that prefilled
             self.catalog.count("tokens_computed", sample.new_tokens, namespace)

@@ -11,6 +11,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 from daskflow_kv import dask_internals as di
+from daskflow_kv.keys import PREFILL_TOPIC
 from plugin_kit import (events, gate, kv_config, kv_value, login, passthrough, start_plugin, state_of,
                         submit_block, submit_compute, until, wait_at_gate, wanted_only_by_cache)
 
@@ -109,3 +110,21 @@ async def test_the_snapshot_lists_links_with_their_probed_latency(c, s, a, b):
     other = await c.scheduler.kv_snapshot(session=theirs)  # a probe steers only its namespace's plans
     assert [tuple(link) for link in other["links"]] == [(a.address, b.address, measured, None)]
     assert other["latency"] == {}
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"workers.report-interval": "50ms"}))
+async def test_a_prefill_batched_with_others_is_no_sample_for_the_profile_fit(c, s, a, b):
+    plugin = await start_plugin(s, evict_interval="50ms")
+    await login(c)
+
+    def samples() -> int:
+        return plugin.profiles.prefill_profiles().get(a.address, {}).get("samples", 0)
+
+    clean = {"worker": a.address, "new_tokens": 64, "prefix_tokens": 0, "seconds": 0.01, "op": "calibrate"}
+    await until(lambda: (a.log_event(PREFILL_TOPIC, clean), samples() > 0)[1], what="a's own sample")
+    await asyncio.sleep(0.3)  # the ones still on their way
+    n = samples()
+    a.log_event(PREFILL_TOPIC, {**clean, "shared_steps": 3})  # its steps also fed other requests
+    a.log_event(PREFILL_TOPIC, {**clean, "seconds": 0.02})  # sent after it on the same stream
+    await until(lambda: samples() > n, what="the clean sample after it")
+    assert samples() == n + 1  # the batched one was left out
