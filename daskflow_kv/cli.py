@@ -423,6 +423,7 @@ def _parser(prog: str = "daskflow-kv"):
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", add_help=False, help="benchmark every system and experiment in one run (bench --help)")
     sub.add_parser("plan", add_help=False, help="MODELED transfer vs recompute per context length (plan --help)")
+    sub.add_parser("simulate", add_help=False, help="MODELED cluster of N workers, same policies (simulate --help)")
     demo = sub.add_parser("demo", help="the main job: a RAG workflow on SmolLM2, state vs text mode")
     _common(demo, "demo-model")
     _run_options(demo)
@@ -452,6 +453,10 @@ def _main(argv: list[str], prog: str) -> int:
         from .bench.plan import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from .sim.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     args = _parser(prog).parse_args(argv)
     _quiet(getattr(args, "verbose", False))
     _resolve_config(args)

@@ -33,7 +33,8 @@ object with its own state (built at ``start``, given the parts it calls):
 * ``ownership`` (``kv_ownership``): every new task under a KV key passes here before Dask
   schedules it - only its own namespace's session may compute a key, its annotation is
   checked (``kv_notes``), and what fails is refused before anything of it runs;
-* ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself.
+* ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself;
+* ``engines`` (``kv_engines``): each worker's continuous-batching loop (batch, step time, queue).
 
 And an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
 their replicas are placed on purpose (the budget, not the AMM, decides when they go).
@@ -72,6 +73,7 @@ from .kv_notes import BlockNote, ComputeNote
 from .kv_ownership import KeyOwnership
 from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
+from .kv_engines import EngineGauges
 from .kv_reports import WorkerReports
 from .kv_settings import KVSettings
 from .kv_tiers import TierTracker
@@ -130,6 +132,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     views: KVViews  # catalog rows and counters, per namespace or the operator's
     client_api: ClientHandlers  # the kv_* RPCs
     reports: WorkerReports  # workers' reports, each from the worker itself
+    engines: EngineGauges  # each worker's continuous-batching loop, from its reports
 
     def __init__(
         self,
@@ -168,6 +171,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.event_log = EventLog(s)
         self.tiers = TierTracker(self.catalog, self.event_log)
         self.reports = WorkerReports(s, self._accept_report)
+        self.engines = EngineGauges()
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
         self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
@@ -260,6 +264,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs) -> None:
         # Runs after Dask's own transitions for the loss.
         self.reports.forget_worker(worker)
+        self.engines.forget_worker(worker)
         self.profiles.forget_worker(worker)
         self.tiers.forget_worker(worker)
         self.budget.forget_worker(worker)
@@ -281,9 +286,14 @@ class KVSchedulerPlugin(SchedulerPlugin):
         except Exception:  # noqa: BLE001 -- a raise would end the sender's stream
             logger.exception("daskflow-kv: bind failed")
 
-    def _accept_report(self, worker: str, spilled: list[str] | None, events: list[dict]) -> None:
-        """A worker's own report (``kv_reports``): its spilled blocks and store I/O (see kv_tiers)."""
-        if worker in self.scheduler.workers and self.tiers.report(worker, spilled, events):
+    def _accept_report(self, worker: str, spilled: list[str] | None, events: list[dict], engine=None) -> None:
+        """A worker's own report (``kv_reports``): its spilled blocks and store I/O (see kv_tiers),
+        its continuous-batching loop (``kv_engines``)."""
+        if worker not in self.scheduler.workers:
+            return
+        if engine is not None:
+            self.engines.update(worker, engine)
+        if self.tiers.report(worker, spilled, events):
             self.budget.note_change()  # spilled blocks no longer count against the budget
 
     # -- what the planner, the dashboard and the exports read -------------------------------------

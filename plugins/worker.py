@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
@@ -35,6 +36,7 @@ from daskflow_kv import config
 from daskflow_kv import dask_internals as di
 from daskflow_kv.keys import REPORT_HELLO_RPC, REPORT_OP, REPORT_TOKEN_RPC, is_block, is_kv, short_key
 
+from .kv_engines import merge
 from .tenants import AccessDenied
 
 logger = logging.getLogger("daskflow_kv.worker")
@@ -50,6 +52,14 @@ class TorchSerializationPlugin(WorkerPlugin):
         from daskflow_kv.transport.serialization import register_torch_serialization
 
         register_torch_serialization()
+
+
+def _engine_stats() -> dict | None:
+    """This process's continuous-batching loops, merged (None before any KV task ran here).
+    Read only if a task already imported the loop: this plugin stays torch-free."""
+    step_worker = sys.modules.get("daskflow_kv.runtime.step_worker")
+    loops = step_worker.engine_stats() if step_worker is not None else {}
+    return merge(loops) if loops else None
 
 
 def refused_data(keys) -> AccessDenied | None:
@@ -68,6 +78,7 @@ class KVWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self._io = worker_io  # the store's background writer in this process
         self._sent: list[str] | None = None  # spilled keys as last reported
+        self._engine: dict | None = None  # the step loop's counters as last reported
         self._token: str | None = None  # what the scheduler sent this worker; its reports carry it
         di.guard_worker_data(worker, refused_data)
         di.add_worker_handlers(worker, {REPORT_TOKEN_RPC: self.take_token})
@@ -96,13 +107,14 @@ class KVWorkerPlugin(WorkerPlugin):
             return
         spilled = self.spilled()
         events = self._io.take_reports()
-        if spilled == self._sent and not events:
+        engine = _engine_stats()
+        if spilled == self._sent and not events and engine == self._engine:
             return
         try:
             di.send_to_scheduler_stream(self.worker, {"op": REPORT_OP, "token": self._token,
                                                       "spilled": None if spilled == self._sent else spilled,
-                                                      "events": events})
-            self._sent = spilled
+                                                      "events": events, "engine": engine})
+            self._sent, self._engine = spilled, engine
         except Exception as e:  # scheduler gone or closing: the next report says it all again
             logger.debug("daskflow-kv worker report failed: %s", e)
 

@@ -41,7 +41,8 @@ ALLOWED = {
     "workflows": {"flow", "errors", "validation"},
     "bench": {"flow", "runtime", "engine", "plugins", "model", "store", "transport", "state", "policy", "keys",
               "errors", "config", "workflows", "validation", "dask_internals"},
-    "cli": {"bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "store", "transport", "state",
+    "sim": {"bench", "policy", "errors", "config", "validation"},  # the real policies on modeled workers
+    "cli": {"sim", "bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "store", "transport", "state",
             "policy", "keys", "errors", "config", "validation", "dask_internals"},
     "__init__": {"config"},  # registers the settings on import; exports by name, imported lazily
 }

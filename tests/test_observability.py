@@ -216,6 +216,10 @@ def test_metrics_endpoint_has_the_kv_series(run):
     live_released = sum(v for (k, _), v in m.items() if k == "daskflow_kv_states")
     assert live_released >= len({ev["state_id"] for evs in run.result.lineage.values() for ev in evs})
     assert any(k == "dask_scheduler_workers" for k, _ in m)  # Dask's own metrics are still served
+    # Each worker's continuous-batching loop, from its own reports: the run's agents ran in it.
+    steps = {w: m[("daskflow_kv_engine_mean_batch", f'{{worker="{w}"}}')] for w in c["kv_bytes"]}
+    assert any(v >= 1.0 for v in steps.values()), steps
+    assert all(("daskflow_kv_engine_step_seconds", f'{{worker="{w}"}}') in m for w in c["kv_bytes"])
 
 
 def test_dashboard_index_links_the_page(run):

@@ -174,8 +174,15 @@ def _shown(states: dict, v: access.Viewer) -> dict:
     return shown
 
 
-def _workers(scheduler, snap: dict, block_rows: dict, states: dict, names: dict) -> list[dict]:
-    """KV bytes per worker against the budget, with the blocks and live states it holds (totals)."""
+def engine_of(plugin, addr: str) -> dict:
+    """``addr``'s continuous-batching loop as last reported (zeros before its first KV task)."""
+    engines = getattr(plugin, "engines", None)
+    return engines.of(addr).as_dict() if engines is not None else {}
+
+
+def _workers(scheduler, snap: dict, block_rows: dict, states: dict, names: dict, plugin=None) -> list[dict]:
+    """KV bytes per worker against the budget, with the blocks and live states it holds, and its
+    step loop's batch, step time and queue (totals)."""
     budget = snap["kv_budget_bytes"]
     kv_bytes = dict(snap["kv_bytes"])
     for addr in getattr(scheduler, "workers", {}):
@@ -195,6 +202,7 @@ def _workers(scheduler, snap: dict, block_rows: dict, states: dict, names: dict)
             "fraction": (nbytes / budget) if budget else None,
             "blocks": in_memory.get(addr, 0),
             "live_states": live_on.get(addr, 0),
+            "engine": engine_of(plugin, addr),
         }
         for addr, nbytes in sorted(kv_bytes.items(), key=lambda kv: names.get(kv[0], kv[0]))
     ]
@@ -237,7 +245,7 @@ def collect(scheduler, focus: str | None = None, viewer: access.Viewer | None = 
     out.update(  # totals: every browser sees these
         counters=snap["counters"],
         kv_budget_bytes=snap["kv_budget_bytes"],
-        workers=_workers(scheduler, snap, block_rows, states, names),
+        workers=_workers(scheduler, snap, block_rows, states, names, plugin),
         state_status=dict(Counter(s["status"] for s in states.values())),
         block_status=dict(Counter(r.get("status", "") for r in block_rows.values())),
         block_tiers=dict(Counter(r.get("tier") or "none" for r in block_rows.values())),

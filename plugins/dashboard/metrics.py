@@ -22,6 +22,7 @@ page's counters with a ``daskflow_kv_`` prefix:
 ``daskflow_kv_store_corrupt_total``    stored objects that failed verification (recomputed)
 ``daskflow_kv_worker_bytes{worker}``   KV bytes each worker holds now
 ``daskflow_kv_worker_budget_bytes``    per-worker KV budget (absent when unbounded)
+``daskflow_kv_engine_{batch,mean_batch,step_seconds,waiting,running}{worker}``  each worker's continuous-batching loop
 ``daskflow_kv_states{status}``         catalogued states by status (live, released)
 ``daskflow_kv_blocks{status}``         catalogued blocks by status (memory, evicted, ...)
 ====================================  ======================================================
@@ -226,6 +227,8 @@ class KVMetricsCollector:
             yield cls(PREFIX + name, doc)
         yield GaugeMetricFamily(PREFIX + "worker_bytes", "KV bytes held per worker", labels=["worker"])
         yield GaugeMetricFamily(PREFIX + "worker_budget_bytes", "Per-worker KV byte budget")
+        for name, doc in ENGINE_FAMILIES:
+            yield GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
         yield GaugeMetricFamily(PREFIX + "states", "Catalogued KV states by status", labels=["status"])
         yield GaugeMetricFamily(PREFIX + "blocks", "Catalogued KV blocks by status", labels=["status"])
         for fam, doc, labels in TENANT_FAMILIES:
@@ -251,6 +254,7 @@ class KVMetricsCollector:
         if snap["kv_budget_bytes"] is not None:
             yield GaugeMetricFamily(PREFIX + "worker_budget_bytes", "Per-worker KV byte budget",
                                     value=snap["kv_budget_bytes"])
+        yield from _engine_families(plugin, scheduler)
         rows = read_catalog(plugin)
         states, blocks = status_counts(plugin, rows)
         for fam, counts, doc in (("states", states, "Catalogued KV states by status"),
@@ -265,6 +269,32 @@ class KVMetricsCollector:
                 for label, n in sorted(counts.items()):
                     g.add_metric(list(label) if isinstance(label, tuple) else [label], n)
                 yield g
+
+
+# Each worker's continuous-batching loop (``kv_engines``): (family, help) -> the gauge's field.
+ENGINE_FAMILIES = (
+    ("engine_batch", "Requests in the last step of a worker's continuous-batching loop"),
+    ("engine_mean_batch", "Mean requests per step of a worker's loop since it started"),
+    ("engine_step_seconds", "Seconds the last step of a worker's loop took"),
+    ("engine_waiting", "Requests waiting to join a worker's running batch"),
+    ("engine_running", "Requests in a worker's running batch"),
+)
+_ENGINE_FIELDS = {"engine_batch": "batch", "engine_mean_batch": "mean_batch", "engine_step_seconds": "step_s",
+                  "engine_waiting": "waiting", "engine_running": "running"}
+
+
+def _engine_families(plugin, scheduler):
+    from prometheus_client.core import GaugeMetricFamily
+
+    engines = getattr(plugin, "engines", None)
+    if engines is None:
+        return
+    gauges = {addr: engines.of(addr).as_dict() for addr in sorted(getattr(scheduler, "workers", {}))}
+    for name, doc in ENGINE_FAMILIES:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+        for addr, e in gauges.items():
+            g.add_metric([addr], e[_ENGINE_FIELDS[name]])
+        yield g
 
 
 _lock = threading.Lock()

@@ -1,0 +1,168 @@
+"""KV blocks of modeled prompts, and what each modeled worker holds of them.
+
+``chain``: the content-addressed blocks covering a prompt's first tokens, as the runtime
+keys them (``keys``: hash of the parent block and the block's tokens): here a block's key
+names the segment keys it covers and where it ends, so two prompts that share leading
+segments share those blocks, and a block straddling into a workflow's own text is that
+workflow's alone.
+
+``Ledger``: a daskflow-kv worker's share of the shared tier - its blocks with the fields
+``policy.eviction.BlockUsage`` scores (last access, reuse count, pins, parent), the bytes it
+holds and the bytes promised to admitted tasks. ``Directory``: block -> workers holding it
+(the scheduler plugin's catalog / ``who_has``).
+
+``LRUCache``: a ``local`` worker's engine cache (``bench.local_engine.LocalCache``): states
+kept least recently used first out past ``retain_bytes``; a prompt reuses the longest
+cached block prefix. Modeled here because the real one lives in the bench, on tensors.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..policy.eviction import BlockUsage
+
+BLOCK = 64  # tokens per KV block (the runtime's block_size)
+_KEYS: dict[tuple, str] = {}  # content identity -> short block key
+_CHAINS: dict[tuple, tuple] = {}  # (segments, tokens) -> chain
+
+
+def _key(ident: tuple) -> str:
+    k = _KEYS.get(ident)
+    if k is None:
+        k = _KEYS[ident] = f"b{len(_KEYS)}"
+    return k
+
+
+def chain(segments: tuple, tokens: int) -> tuple[tuple[str, int, int], ...]:
+    """(key, start, end) of the blocks covering the first ``tokens`` tokens of ``segments``."""
+    memo = (segments, tokens)
+    hit = _CHAINS.get(memo)
+    if hit is not None:
+        return hit
+    out, keys, seg_end, i = [], [], 0, 0
+    for start in range(0, tokens, BLOCK):
+        end = min(start + BLOCK, tokens)
+        while seg_end < end and i < len(segments):  # segments this block touches
+            keys.append(segments[i][0])
+            seg_end += segments[i][1]
+            i += 1
+        out.append((_key((tuple(keys), end)), start, end))
+    _CHAINS[memo] = res = tuple(out)
+    return res
+
+
+def common_prefix(prompts: list[tuple]) -> int:
+    """Tokens of the longest run of leading segments every prompt shares, cut to whole blocks."""
+    first, n = prompts[0], 0
+    for i, (k, t) in enumerate(first):
+        if any(len(p) <= i or p[i][0] != k for p in prompts[1:]):
+            break
+        n += t
+    if len(prompts) > 1:
+        shortest = min(sum(t for _, t in p) for p in prompts)
+        n = min(n, shortest - 1)  # every member prefills at least one token of its own
+    return max(0, n // BLOCK * BLOCK)
+
+
+@dataclass(slots=True)
+class Held:
+    """One block on one daskflow-kv worker."""
+
+    nbytes: int  # its K/V bytes
+    parent: str | None  # previous block of its chain
+    start: int  # first token position
+    last_access: float  # virtual s of the last read or write
+    reuse: int = 0  # reads since it was made here
+    pins: int = 0  # admitted tasks on this worker that read or make it (never evicted while > 0)
+    planned: bool = False  # a later level of a running workflow reads it (KVFlow's hint)
+
+
+class Directory:
+    """Block key -> the workers holding it."""
+
+    __slots__ = ("where",)
+
+    def __init__(self):
+        self.where: dict[str, set[int]] = {}  # key -> holders
+
+    def add(self, key: str, w: int) -> None:
+        self.where.setdefault(key, set()).add(w)
+
+    def drop(self, key: str, w: int) -> None:
+        s = self.where.get(key)
+        if s is not None:
+            s.discard(w)
+            if not s:
+                del self.where[key]
+
+    def holders(self, key: str) -> set[int]:
+        return self.where.get(key) or set()
+
+
+class Ledger:
+    """A daskflow-kv worker's KV: cached blocks plus bytes promised to admitted tasks."""
+
+    __slots__ = ("blocks", "held", "reserved", "peak")
+
+    def __init__(self):
+        self.blocks: dict[str, Held] = {}  # key -> the block here
+        self.held = 0  # bytes of blocks here
+        self.reserved = 0  # bytes admitted tasks will add and have not yet
+        self.peak = 0  # max of held + reserved seen
+
+    def note_peak(self) -> None:
+        self.peak = max(self.peak, self.held + self.reserved)
+
+    def usage(self):
+        """``BlockUsage`` rows for ``policy.eviction`` (a generator: read only when over budget)."""
+        for k, b in self.blocks.items():
+            yield BlockUsage(k, b.nbytes, b.last_access, b.reuse, b.pins > 0, b.parent, b.start, None, b.planned)
+
+
+class LRUCache:
+    """A ``local`` engine's cache: states (block chains) kept LRU under ``retain_bytes``."""
+
+    __slots__ = ("states", "refs", "nbytes", "retain", "evicted", "peak")
+
+    def __init__(self, retain: int):
+        self.states: OrderedDict[str, tuple] = OrderedDict()  # state id -> ((key, nbytes), ...)
+        self.refs: dict[str, list] = {}  # block key -> [kept states holding it, nbytes]
+        self.nbytes = 0  # bytes of distinct blocks kept
+        self.retain = retain  # evict past this many bytes
+        self.evicted = 0  # states dropped for the budget
+        self.peak = 0  # most bytes kept at once
+
+    def cached(self, blocks) -> int:
+        """Leading tokens of ``blocks`` ((key, start, end) rows) this engine holds."""
+        n = 0
+        for k, _, end in blocks:
+            if k not in self.refs:
+                break
+            n = end
+        return n
+
+    def keep(self, sid: str, rows) -> None:
+        """Keep state ``sid`` (its (key, nbytes) rows), most recent; then evict LRU states."""
+        if sid in self.states:
+            self.states.move_to_end(sid)
+        else:
+            self.states[sid] = rows
+            for k, nb in rows:
+                r = self.refs.get(k)
+                if r is None:
+                    self.refs[k] = [1, nb]
+                    self.nbytes += nb
+                else:
+                    r[0] += 1
+        self.peak = max(self.peak, self.nbytes)
+        while len(self.states) > 1 and self.nbytes > self.retain:
+            _, old = self.states.popitem(last=False)
+            self.evicted += 1
+            for k, _ in old:
+                r = self.refs[k]
+                r[0] -= 1
+                if r[0] == 0:
+                    del self.refs[k]
+                    self.nbytes -= r[1]

@@ -1,0 +1,77 @@
+"""``daskflow-kv simulate``: the MODELED grid, the fidelity check, one run, or a trace replay.
+
+    daskflow-kv simulate                                  # grid + fidelity + speed -> benchmarks/results/simulation.*
+    daskflow-kv simulate --hardware h200-nvlink --workers 8 32 --streams zipf-budget
+    daskflow-kv simulate --trace my.jsonl --workers 16 --systems daskflow-kv local
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from .profile import PRESETS, fitted_profile, preset_profile
+from .report import STREAMS, fidelity, markdown, ratios, run_system, simulate_grid
+from .workload import exp7_stream, read_trace
+
+BENCH = "benchmarks/results/bench_full.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="daskflow-kv simulate", description=__doc__.splitlines()[0])
+    p.add_argument("--profile-from", default=BENCH, help="bench results JSON whose calibration is fitted (default %(default)s)")
+    p.add_argument("--hardware", choices=sorted(PRESETS), help="a MODELED hardware preset instead of the fitted profile")
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 8, 32, 128, 512])
+    p.add_argument("--systems", nargs="+", default=["daskflow-kv", "local", "text"])
+    p.add_argument("--streams", nargs="+", default=list(STREAMS), choices=STREAMS)
+    p.add_argument("--per-worker", type=int, default=20, help="workflows per worker (capped at 10,240)")
+    p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
+    p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
+    p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
+    p.add_argument("--speed", action="store_true", help="also time 512 workers x 10,000 workflows (daskflow-kv)")
+    p.add_argument("--out", default="benchmarks/results/simulation", help="output stem: .json and .md (default %(default)s)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    profile = preset_profile(args.hardware) if args.hardware else fitted_profile(args.profile_from)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.trace:
+        wfs = read_trace(args.trace)
+        rows = [run_system(s, profile, wfs, n, args.budget) | {"stream": f"trace:{Path(args.trace).name}"}
+                for n in args.workers for s in args.systems]
+        for r in rows:
+            say(f"{r['workers']:>4} workers {r['system']:<12} {r['completed_per_min']:.1f}/min MODELED, "
+                f"p95 {r['latency_p95_s']:.1f} s MODELED")
+        print(json.dumps(rows, indent=1, default=str))
+        return 0
+    t0 = time.perf_counter()
+    grid = simulate_grid(profile, args.workers, args.systems, args.streams, per_worker=args.per_worker,
+                         progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} {r['system']:<12} "
+                                                f"{r['completed_per_min']:8.1f}/min p95 {r['latency_p95_s']:7.1f} s "
+                                                f"MODELED ({r['sim_wall_s']:.1f} s)"))
+    result = {"label": "MODELED", "command": "daskflow-kv simulate " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": datetime.date.today().isoformat(),
+              "profile": {"name": profile.name, "source": profile.source, "bytes_per_token": profile.bytes_per_token},
+              "grid": grid, "ratios": ratios(grid)}
+    if not args.no_fidelity and not args.hardware and Path(args.profile_from).exists():
+        result["fidelity"] = fidelity(args.profile_from, profile)
+    if args.speed:
+        wfs = exp7_stream(10_000, 18.0 * 512, 1024, "zipf")
+        from .report import exp7_budget
+        r = run_system("daskflow-kv", profile, wfs, 512, exp7_budget(4, 1024, profile.bytes_per_token, wfs))
+        result["speed"] = {"label": "MODELED", "workers": 512, "workflows": 10_000, "system": "daskflow-kv",
+                           "stream": "zipf-budget", "wall_s": r["sim_wall_s"], "target_s": 60.0}
+    result["wall_s"] = time.perf_counter() - t0
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=lambda x: None if isinstance(x, float)
+                                                   and math.isnan(x) else str(x)) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    say(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} in {result['wall_s']:.0f} s")
+    return 0

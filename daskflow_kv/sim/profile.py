@@ -1,0 +1,105 @@
+"""What a modeled worker and link cost: a ``SimProfile``, fitted on this machine or a preset.
+
+Fitted: the ``calibration`` section of a bench results JSON (``benchmarks/results/
+bench_full.json``): one fitted ``PrefillProfile`` per worker (t(n, p) = a + b n + c n (p + n/2))
+and the measured bandwidth and latency of every worker pair, plus the model's KV bytes per
+token. A forward step of the step loop costs what the profile says for the tokens it feeds
+(``step_seconds``), so a decode step is a one-token prefill per running request - the same
+convention ``policy.placement.batch_seconds`` uses.
+
+Presets: a GPU and interconnect from public figures (peak bf16 FLOP/s at an assumed 50 %
+model FLOP utilisation for prefill, HBM bandwidth for a step's weight read, link line rate
+at ~85 %), for Llama-3.1-8B in bf16 (32 layers, 8 KV heads x 128: 131,072 KV bytes per
+token). Every figure they give is MODELED, never measured.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, kv_bytes_per_token
+from ..policy.store_read import StoreProfile
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    """Costs of modeled workers: worker i gets ``prefill[i % len(prefill)]``."""
+
+    name: str  # "fitted:<file>" or a preset's name
+    prefill: tuple[PrefillProfile, ...]  # per modeled worker, cycled
+    link: LinkProfile  # every pair of workers (the mean of the measured pairs when fitted)
+    bytes_per_token: int  # K and V of one token, all layers
+    store: StoreProfile | None = None  # the persistent tier, when modeled
+    task_overhead_s: float = DEFAULT_LATENCY  # s a task waits to reach its worker (scheduler hop)
+    links: dict = field(default_factory=dict)  # (i, j) -> LinkProfile for measured pairs (fitted, 2 workers)
+    source: str = ""  # one line: where the numbers come from
+
+    def worker_prefill(self, i: int) -> PrefillProfile:
+        return self.prefill[i % len(self.prefill)]
+
+    def pair(self, i: int, j: int) -> LinkProfile:
+        return self.links.get((i, j)) or self.link
+
+
+def step_seconds(p: PrefillProfile, feeds) -> float:
+    """One forward step over ``feeds`` = [(tokens fed, tokens already in that request's cache)]:
+    one fixed cost, per-token work, and each row's attention (the profile's terms)."""
+    tokens = attn = 0.0
+    for n, pos in feeds:
+        tokens += n
+        attn += n * (pos + n / 2)
+    return p.a + p.b * tokens + p.c * attn
+
+
+def fitted_profile(path: str | Path) -> SimProfile:
+    """This machine's profile from a bench results JSON's ``calibration`` and ``model``."""
+    data = json.loads(Path(path).read_text())
+    cal = data.get("calibration") or {}
+    profs = cal.get("prefill_profiles") or {}
+    if not profs:
+        raise ValueError(f"{path}: no calibration.prefill_profiles to fit a profile from")
+    workers = sorted(profs)
+    prefill = tuple(PrefillProfile(float(profs[w]["a"]), float(profs[w]["b"]), float(profs[w]["c"])) for w in workers)
+    links, bws, lats = {}, [], []
+    for pair, bw in (cal.get("bandwidth") or {}).items():
+        src, dst = pair.split("->")
+        lat = (cal.get("latency") or {}).get(pair) or DEFAULT_LATENCY
+        if src in workers and dst in workers:
+            links[(workers.index(src), workers.index(dst))] = LinkProfile(float(bw), float(lat))
+        bws.append(float(bw))
+        lats.append(float(lat))
+    link = LinkProfile(sum(bws) / len(bws), sum(lats) / len(lats)) if bws else LinkProfile(1e9)
+    bpt = int((data.get("model") or {}).get("bytes_per_token") or 46080)
+    return SimProfile(f"fitted:{Path(path).name}", prefill, link, bpt, None, DEFAULT_LATENCY, links,
+                      f"calibration of {Path(path).name} ({len(prefill)} workers, {data.get('machine', {}).get('cpu')})")
+
+
+def _gpu(name: str, peak_flops: float, hbm_bytes_s: float, link_bytes_s: float, link_latency: float,
+         store_bytes_s: float, source: str) -> SimProfile:
+    """Llama-3.1-8B bf16 on one GPU per worker: prefill at 50 % MFU, a step reads the weights once."""
+    params, layers, q_heads, kv_heads, head_dim = 8.0e9, 32, 32, 8, 128
+    flops = 0.5 * peak_flops
+    b = 2 * params / flops  # s per token: 2 FLOP per parameter
+    c = 4 * layers * q_heads * head_dim / flops  # s per query-key pair: QK^T and PV
+    a = 2 * params / hbm_bytes_s  # s per step: bf16 weights read once
+    bpt = kv_bytes_per_token(layers, kv_heads, head_dim, 2)
+    return SimProfile(name, (PrefillProfile(a, b, c),), LinkProfile(0.85 * link_bytes_s, link_latency), bpt,
+                      StoreProfile(store_bytes_s), 0.002, {}, source)
+
+
+PRESETS = {
+    "h200-nvlink": lambda: _gpu("h200-nvlink", 989e12, 4.8e12, 450e9, 0.0005, 6e9,
+                                "MODELED: H200 (989 TFLOP/s bf16, 4.8 TB/s HBM), NVLink 450 GB/s per direction, "
+                                "Llama-3.1-8B bf16"),
+    "a100-ib200": lambda: _gpu("a100-ib200", 312e12, 2.0e12, 25e9, 0.002, 3e9,
+                               "MODELED: A100-80GB (312 TFLOP/s bf16, 2.0 TB/s HBM), 200 Gb/s InfiniBand, "
+                               "Llama-3.1-8B bf16"),
+}
+
+
+def preset_profile(name: str) -> SimProfile:
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name]()

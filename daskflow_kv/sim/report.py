@@ -1,0 +1,187 @@
+"""Runs, metrics, the fidelity check against measured exp 7 rows, and the tables. MODELED.
+
+``run_system`` simulates one system over one stream and returns exp 7's row fields
+(``completed_per_min``: completed workflows per minute from the first arrival to the last
+completion; ``latency_p95_s``: arrival to completion, exp 7's interpolated percentile;
+``tokens_prefilled``). ``simulate_grid`` sweeps workers x systems x streams; ``fidelity``
+replays exp 7's measured configuration at 2 workers with the fitted profile and reports
+the relative error per system and metric. Every row carries ``"label": "MODELED"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from .systems import DaskflowSystem, LocalSystem, TextSystem
+from .workload import exp7_stream
+
+LABEL = "MODELED"
+SYSTEMS = {"daskflow-kv": DaskflowSystem, "local": LocalSystem, "text": TextSystem}
+BENCH_NAMES = {"dkv": "daskflow-kv", "local": "local", "text": "text"}  # exp 7's system names -> ours
+STREAMS = ("uniform", "zipf", "zipf-budget")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (exp 7's ``_pct``)."""
+    xs = sorted(xs)
+    if not xs:
+        return math.nan
+    i = q * (len(xs) - 1)
+    lo, hi = math.floor(i), math.ceil(i)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def make_system(system: str, profile, workers: int, budget: int | None = None, **kw):
+    if system == "local-no-affinity":
+        return LocalSystem(profile, workers, budget, affinity=False, **kw)
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; expected one of {sorted(SYSTEMS)} or local-no-affinity")
+    return SYSTEMS[system](profile, workers, budget, **kw)
+
+
+def run_system(system: str, profile, workflows, workers: int, budget: int | None = None, **kw) -> dict:
+    """Simulate ``system`` on ``workers`` modeled workers over ``workflows``: one MODELED row."""
+    t0 = time.perf_counter()
+    sim = make_system(system, profile, workers, budget, **kw)
+    flows = sim.run(workflows)
+    ok = [f for f in flows if not f.failed and not math.isnan(f.done_at)]
+    lat = [f.done_at - f.wf.at for f in ok]
+    first = min((f.wf.at for f in ok), default=math.nan)
+    span = max((f.done_at for f in ok), default=math.nan) - first
+    arrivals = [w.at for w in workflows]
+    offered = len(workflows) / (max(arrivals) / 60.0) if max(arrivals, default=0) > 0 else math.inf
+    peaks = sim.peak_kv()
+    return {
+        "label": LABEL, "system": system, "workers": workers, "workflows": len(workflows), "completed": len(ok),
+        "failed": len(flows) - len(ok), "profile": profile.name, "kv_budget_bytes": budget,
+        "offered_per_min": offered, "completed_per_min": len(ok) / span * 60.0 if span > 0 else math.nan,
+        "latency_p50_s": percentile(lat, 0.5), "latency_p95_s": percentile(lat, 0.95),
+        "latency_mean_s": statistics.fmean(lat) if lat else math.nan, "tokens_prefilled": sim.prefilled,
+        "prompt_tokens": sum(w.prompt_tokens for w in workflows), "transfers": sim.transfers,
+        "bytes_transferred": sim.bytes_transferred, "evictions": sim.evictions + sum(
+            c.evicted for c in getattr(sim, "caches", ())), "peak_kv_bytes_max": max(peaks) if peaks else 0,
+        "decisions": dict(getattr(sim, "decisions", {})), "events": sim.loop.events,
+        "sim_wall_s": time.perf_counter() - t0,
+    }
+
+
+def exp7_budget(docs: int, context: int, bytes_per_token: int, workflows, fraction: float = 0.25) -> int:
+    """Exp 7's per-worker budget: ``fraction`` of the documents' working set, never less than
+    one workflow's KV (all its prompts and outputs, nothing shared)."""
+    one = max(w.prompt_tokens + sum(c.max_new for c in w.calls) for w in workflows)
+    return max(int(fraction * docs * context * bytes_per_token), one * bytes_per_token)
+
+
+# -- fidelity ------------------------------------------------------------------------------------
+def measured_exp7(path: str | Path) -> tuple[dict, list[dict]]:
+    data = json.loads(Path(path).read_text())
+    return data.get("config") or {}, [r for r in data.get("runs", []) if r.get("exp") == "exp7"]
+
+
+def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[dict]:
+    """Every measured exp 7 row of ``path`` replayed at its workers with ``profile``: the
+    simulated and measured throughput, p95 latency and tokens prefilled, and the error."""
+    cfg, rows = measured_exp7(path)
+    out = []
+    n, docs = int(cfg.get("exp7_workflows", 16)), int(cfg.get("exp7_docs", 4))
+    context, max_new = int(cfg.get("exp7_context", 1024)), int(cfg.get("max_new_tokens", 16))
+    workers = int(cfg.get("workers", 2))
+    for r in rows:
+        system = BENCH_NAMES.get(r["system"], r["system"])
+        if system not in systems:
+            continue
+        kind = r.get("stream", "uniform")  # rows before streams had kinds ran documents in turn
+        wfs = exp7_stream(n, float(r["rate"]), docs, kind, context, max_new,
+                          arrival_seed=int(float(r["rate"]) * 1000) + int(r.get("rep", 0)))
+        budget = r.get("kv_budget_bytes")
+        sim = run_system(system, profile, wfs, workers, budget)
+        row = {"label": LABEL, "system": system, "stream": kind, "rate": r["rate"], "rep": r.get("rep", 0),
+               "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min")}
+        for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
+            meas, simv = r.get(m), sim[m]
+            row[m] = {"measured": meas, "simulated": simv,
+                      "error": (simv - meas) / meas if meas else None}
+        out.append(row)
+    return out
+
+
+# -- the grid ------------------------------------------------------------------------------------
+def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv", "local", "text"),
+                  streams=STREAMS, per_worker: int = 20, docs_per_worker: int = 2, rate_per_worker: float = 18.0,
+                  context: int = 1024, max_new: int = 16, min_workflows: int = 64, max_workflows: int = 10_240,
+                  progress=None) -> list[dict]:
+    """Throughput and p95 per (workers, stream, system). Load scales with the cluster: exp 7's
+    saturating 36/min on 2 workers (18/min per worker), ``per_worker`` workflows and
+    ``docs_per_worker`` documents per worker; the budget is exp 7's rule at 2 workers (a
+    fixed number of bytes per worker, so a worker holds about one document as N grows)."""
+    rows = []
+    for n_workers in workers:
+        n = min(max_workflows, max(min_workflows, per_worker * n_workers))
+        docs = docs_per_worker * n_workers
+        for kind in streams:
+            wfs = exp7_stream(n, rate_per_worker * n_workers, docs, kind, context, max_new)
+            budget = None
+            if kind.endswith("-budget"):
+                budget = exp7_budget(2 * docs_per_worker, context, profile.bytes_per_token, wfs)
+            for system in systems:
+                row = run_system(system, profile, wfs, n_workers, budget)
+                row.update(stream=kind, docs=docs, rate_per_min=rate_per_worker * n_workers)
+                rows.append(row)
+                if progress:
+                    progress(row)
+    return rows
+
+
+def ratios(rows: list[dict], a: str = "daskflow-kv", b: str = "local") -> list[dict]:
+    """daskflow-kv / local throughput per (workers, stream)."""
+    idx = {(r["workers"], r["stream"], r["system"]): r for r in rows}
+    out = []
+    for (w, s, sys_), r in sorted(idx.items()):
+        if sys_ == a and (w, s, b) in idx:
+            o = idx[(w, s, b)]
+            out.append({"label": LABEL, "workers": w, "stream": s,
+                        "throughput_ratio": r["completed_per_min"] / o["completed_per_min"],
+                        "p95_ratio": r["latency_p95_s"] / o["latency_p95_s"]})
+    return out
+
+
+def _f(x, fmt="{:.1f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def markdown(result: dict) -> str:
+    """``benchmarks/results/simulation.md`` from the result JSON."""
+    lines = [f"# Simulation (MODELED)", "",
+             f"From `{result['command']}` ({result['date']}); profile: {result['profile']['source']}. "
+             "Every figure below is MODELED by `daskflow_kv/sim`, not measured.", ""]
+    fid = result.get("fidelity") or []
+    if fid:
+        lines += ["## Fidelity at 2 workers (MODELED vs measured exp 7)", "",
+                  "| system | rate /min | metric | measured | MODELED | error |", "|---|---|---|---|---|---|"]
+        for r in fid:
+            for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
+                x = r[m]
+                lines.append(f"| {r['system']} | {r['rate']:g} | {m} | {_f(x['measured'])} | {_f(x['simulated'])} | "
+                             f"{_f(None if x['error'] is None else 100 * x['error'], '{:+.0f} %')} |")
+        lines.append("")
+    lines += ["## Throughput and p95 latency vs workers (MODELED)", "",
+              "| workers | stream | system | workflows | completed/min | p95 latency s | tokens prefilled | transfers | "
+              "evictions | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["grid"]:
+        lines.append(f"| {r['workers']} | {r['stream']} | {r['system']} | {r['workflows']} | "
+                     f"{_f(r['completed_per_min'])} MODELED | {_f(r['latency_p95_s'])} MODELED | "
+                     f"{r['tokens_prefilled']:,} | {r['transfers']} | {r['evictions']} | {r['failed']} |")
+    lines += ["", "## daskflow-kv / local (MODELED)", "", "| workers | stream | throughput ratio | p95 ratio |",
+              "|---|---|---|---|"]
+    for r in result["ratios"]:
+        lines.append(f"| {r['workers']} | {r['stream']} | {_f(r['throughput_ratio'], '{:.2f}x')} MODELED | "
+                     f"{_f(r['p95_ratio'], '{:.2f}x')} MODELED |")
+    sp = result.get("speed")
+    if sp:
+        lines += ["", f"Speed: {sp['workers']} workers x {sp['workflows']:,} workflows ({sp['system']}, "
+                  f"{sp['stream']}) simulated in {sp['wall_s']:.1f} s on one core (target 60 s)."]
+    return "\n".join(lines) + "\n"

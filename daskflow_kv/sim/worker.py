@@ -1,0 +1,106 @@
+"""A modeled worker: the runtime's step loop on a virtual clock.
+
+Each step asks ``policy.step_schedule.plan_step`` - the function the worker's step engine
+calls - who runs and how many tokens each feeds (decodes one token each, prefills in
+chunks, oldest first, up to ``step_tokens``), and lasts what the worker's prefill profile
+says for those feeds (``profile.step_seconds``). A request's last prefill chunk yields its
+first token; it is done after ``max_new`` tokens (a prefill-only request, ``max_new`` 0,
+when its prompt is in). ``queued_s`` is the predicted work sent here and not finished: the
+``busy_s`` the scheduler plugin reports, and what a router queues against.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..policy.step_schedule import Seq, plan_step
+from .loop import EventLoop
+from .profile import step_seconds
+
+
+class Request:
+    __slots__ = ("rid", "arrived", "to_prefill", "position", "max_new", "generated", "predicted", "on_done",
+                 "first_at", "prefilled")
+
+    def __init__(self, rid: int, to_prefill: int, position: int, max_new: int, predicted: float, on_done):
+        self.rid = rid  # unique in the simulation
+        self.arrived = 0.0  # virtual s it reached the worker
+        self.to_prefill = to_prefill  # prompt tokens not fed yet
+        self.position = position  # tokens in its cache so far
+        self.max_new = max_new  # tokens to decode (0: prefill only)
+        self.generated = 0  # tokens decoded so far
+        self.predicted = predicted  # s of work the planner expects it to take (busy_s accounting)
+        self.on_done = on_done  # callback(request)
+        self.first_at = None  # virtual s of its first token
+        self.prefilled = to_prefill  # prompt tokens it prefills in all
+
+
+class ModeledWorker:
+    __slots__ = ("idx", "name", "prof", "loop", "step_tokens", "max_running", "waiting", "running", "stepping",
+                 "queued_s", "steps", "busy_time")
+
+    def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64):
+        self.idx = idx  # position in the cluster
+        self.name = f"w{idx}"  # its address in ClusterView
+        self.prof = prof  # PrefillProfile
+        self.loop = loop
+        self.step_tokens = step_tokens  # token budget of a step (daskflow-kv.step.step-tokens)
+        self.max_running = max_running  # running requests at most (daskflow-kv.step.max-running)
+        self.waiting: deque[Request] = deque()  # in arrival order
+        self.running: dict[int, Request] = {}  # rid -> request, in join order
+        self.stepping = False  # a step is in flight
+        self.queued_s = 0.0  # predicted s of work here, not finished
+        self.steps = 0  # forward steps run
+        self.busy_time = 0.0  # virtual s spent in steps
+
+    def submit(self, req: Request) -> None:
+        req.arrived = self.loop.now
+        self.waiting.append(req)
+        self.queued_s += req.predicted
+        if not self.stepping:
+            self._step()
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def _step(self) -> None:
+        running = [Seq(r.rid, r.arrived, r.to_prefill, r.position) for r in self.running.values()]
+        room = self.max_running - len(running)
+        waiting = []
+        if room > 0 and self.waiting:  # plan_step takes the oldest: offer only those that can join
+            waiting = [Seq(r.rid, r.arrived, r.to_prefill, r.position)
+                       for r in (self.waiting[i] for i in range(min(room, len(self.waiting))))]
+        plan = plan_step(running, waiting, self.step_tokens, self.max_running)
+        for _ in plan.joined:  # joins are the oldest waiting ones, in order
+            r = self.waiting.popleft()
+            self.running[r.rid] = r
+        run = self.running
+        cost = step_seconds(self.prof, [(n, run[rid].position) for rid, n in plan.feeds])
+        self.stepping = True
+        self.steps += 1
+        self.busy_time += cost
+        self.loop.after(cost, self._end, plan.feeds)
+
+    def _end(self, feeds) -> None:
+        now, done = self.loop.now, []
+        for rid, n in feeds:
+            r = self.running[rid]
+            if r.to_prefill:
+                r.to_prefill -= n
+                r.position += n
+                if r.to_prefill == 0 and r.max_new:
+                    r.generated, r.first_at = 1, now
+            else:
+                r.generated += 1
+                r.position += 1
+            if r.to_prefill == 0 and r.generated >= r.max_new:
+                done.append(r)
+        for r in done:
+            del self.running[r.rid]
+            self.queued_s = max(0.0, self.queued_s - r.predicted)
+        self.stepping = False
+        for r in done:
+            r.on_done(r)
+        if not self.stepping and (self.running or self.waiting):
+            self._step()
