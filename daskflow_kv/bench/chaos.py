@@ -1,0 +1,178 @@
+"""Chaos during a stream: two clients stream workflows while worker processes are SIGKILLed.
+
+A LocalCluster of worker processes under nannies (a killed worker is restarted by its
+nanny, empty). Two clients, each with its own ``KVRuntime``, run RAG and debate workflows
+over shared documents (``load_stream.build``), ``concurrency`` at a time each. A killer
+thread SIGKILLs a random live worker every U(``kill_every``) seconds until the stream ends.
+
+Every workflow is checked against text replay of the same workflow, run on the same
+cluster before any kill. A workflow is *lost* if it raised, *wrong* if its tokens differ,
+*hung* if it had not finished ``hang_s`` after it started (nothing may wait on a dead
+worker). The record: per-workflow latency, the kills (when, which worker, what it held),
+KV blocks lost and recomputed (the plugin's counters), and latency before vs after the
+first kill.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+from ..flow.compiler import compile_workflow
+from ..flow.executor import run_state_mode, run_text_mode
+from .load_stream import Arrival, build, doc_sequence, documents
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    workflows: int = 30  # per client
+    docs: int = 3
+    context: int = 160  # tokens per shared document
+    max_new: int = 8
+    concurrency: int = 4  # workflows in flight per client
+    kill_every: tuple[float, float] = (5.0, 40.0)  # seconds between kills, uniform
+    max_kills: int | None = None  # stop killing after this many (None: until the stream ends)
+    hang_s: float = 180.0  # a workflow not done this long after it started counts as hung
+    seed: int = 7
+
+
+def _tokens(res) -> dict[str, list[int]]:
+    return {n: list(a.tokens) for n, a in res.agents.items()}
+
+
+def _run(rt, wf, mode: str):
+    cw = compile_workflow(wf, rt.tokenizer, rt.facts.max_positions, rt.block_size)
+    return run_text_mode(cw, rt) if mode == "text" else run_state_mode(cw, rt)
+
+
+class Killer(threading.Thread):
+    """SIGKILLs a random worker process every U(lo, hi) seconds until stopped."""
+
+    def __init__(self, client, every: tuple[float, float], max_kills: int | None, rng: random.Random):
+        super().__init__(name="chaos-killer", daemon=True)
+        self.client, self.every, self.max_kills, self.rng = client, every, max_kills, rng
+        self.stop = threading.Event()
+        self.kills: list[dict] = []
+
+    def run(self) -> None:
+        t0 = time.time()
+        while not self.stop.wait(self.rng.uniform(*self.every)):
+            if self.max_kills is not None and len(self.kills) >= self.max_kills:
+                return
+            try:
+                pids = self.client.run(os.getpid, wait=True)
+            except Exception:  # noqa: BLE001 -- workers restarting: try at the next tick
+                continue
+            if len(pids) < 2:  # keep one worker alive: a cluster with none only waits
+                continue
+            addr = self.rng.choice(sorted(pids))
+            held = self.client.run_on_scheduler(
+                lambda dask_scheduler, a: len(dask_scheduler.workers[a].has_what) if a in dask_scheduler.workers
+                else 0, a=addr)
+            os.kill(pids[addr], signal.SIGKILL)
+            self.kills.append({"at_s": time.time() - t0, "worker": addr, "keys_held": held})
+
+
+def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=print) -> dict:
+    """The whole scenario on an existing cluster (``cluster.workers`` under nannies)."""
+    rng = random.Random(cfg.seed)
+    texts = documents(runtimes[0].tokenizer, cfg.docs, cfg.context)
+    n = cfg.workflows * len(runtimes)
+    docs = doc_sequence(n, cfg.docs, "zipf", seed=cfg.seed)
+    arrivals = [Arrival(i, 0.0, i % len(runtimes), docs[i]) for i in range(n)]
+    salt = f"chaos-{rng.randrange(1 << 30)}"
+    flows = {a.index: build(a, texts[a.doc], salt, cfg.max_new) for a in arrivals}
+
+    log(f"chaos: text replay of {n} workflows (the reference, no kills)")
+    ref = {a.index: _tokens(_run(runtimes[a.client], flows[a.index], "text")) for a in arrivals}
+    before = runtimes[0].counters()["counters"]
+
+    killer = Killer(clients[0], cfg.kill_every, cfg.max_kills, rng)
+    records: dict[int, dict] = {}  # index -> when it started (results: when it ended)
+    t0 = time.time()
+    killer.start()
+    log(f"chaos: streaming {n} workflows from {len(runtimes)} clients, killing a worker every "
+        f"{cfg.kill_every[0]:g}-{cfg.kill_every[1]:g} s")
+
+    def one(a: Arrival) -> dict:
+        start = time.time()
+        try:
+            res = _run(runtimes[a.client], flows[a.index], "state")
+            return {"index": a.index, "client": a.client, "start_s": start - t0, "latency_s": time.time() - start,
+                    "agree": _tokens(res) == ref[a.index], "preemptions": res.preemptions}
+        except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
+            return {"index": a.index, "client": a.client, "start_s": start - t0, "latency_s": time.time() - start,
+                    "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    # Daemon threads, ``concurrency`` per client: a hung workflow must not keep the process alive.
+    results: dict[int, dict] = {}
+    queues = [[a for a in arrivals if a.client == c] for c in range(len(runtimes))]
+    lock = threading.Lock()
+
+    def drain(queue: list[Arrival]) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                a = queue.pop(0)
+                records[a.index] = {"index": a.index, "client": a.client, "start_s": time.time() - t0, "running": True}
+            out = one(a)
+            with lock:
+                results[a.index] = out
+
+    threads = [threading.Thread(target=drain, args=(q,), daemon=True, name=f"chaos-client{c}-{j}")
+               for c, q in enumerate(queues) for j in range(cfg.concurrency)]
+    for th in threads:
+        th.start()
+    while any(th.is_alive() for th in threads):
+        time.sleep(0.5)
+        now = time.time() - t0
+        with lock:
+            stuck = [r for i, r in records.items() if i not in results and now - r["start_s"] > cfg.hang_s]
+        if stuck:
+            break  # a workflow waits past its budget: the scenario failed; the rest is reported as it stands
+    killer.stop.set()
+    wall = time.time() - t0
+    with lock:
+        now = time.time() - t0
+        for i, r in records.items():
+            if i not in results:
+                results[i] = {**r, "hung": now - r["start_s"] > cfg.hang_s,
+                              "error": f"not done after {now - r['start_s']:.0f} s"}
+        for a in arrivals:
+            results.setdefault(a.index, {"index": a.index, "client": a.client, "error": "never started"})
+    records = results
+    after = runtimes[0].counters()["counters"]
+    return summarize(list(records.values()), killer.kills, before, after, wall, cfg)
+
+
+def summarize(records: list[dict], kills: list[dict], before: dict, after: dict, wall: float,
+              cfg: ChaosConfig) -> dict:
+    ok = [r for r in records if "error" not in r]
+    first_kill = min((k["at_s"] for k in kills), default=None)
+    calm = [r["latency_s"] for r in ok if first_kill is None or r["start_s"] + r["latency_s"] < first_kill]
+    storm = [r["latency_s"] for r in ok if first_kill is not None and r["start_s"] + r["latency_s"] >= first_kill]
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("lineage_recomputes", "recomputes", "transfers",
+                                                                "tokens_computed", "tokens_reused")}
+    return {
+        "config": {**cfg.__dict__, "kill_every": list(cfg.kill_every)},
+        "workflows": len(records), "completed": len(ok),
+        "wrong": sum(1 for r in ok if not r["agree"]),
+        "lost": sum(1 for r in records if "error" in r and not r.get("hung")),
+        "hung": sum(1 for r in records if r.get("hung")),
+        "kills": kills, "wall_s": wall,
+        "latency_median_s_before_first_kill": med(calm), "latency_median_s_after_first_kill": med(storm),
+        "preemptions": sum(r.get("preemptions", 0) for r in ok),
+        "counters_delta": delta,
+        "errors": sorted({r["error"] for r in records if "error" in r})[:10],
+        "records": sorted(records, key=lambda r: r["index"]),
+    }
