@@ -18,7 +18,7 @@ def test_a_worker_killed_mid_stream_loses_no_workflow_and_hangs_nothing():
             Client(cluster) as c0, Client(cluster, set_as_default=False) as c1:
         runtimes = [KVRuntime(c, "tiny-llama", block_size=16) for c in (c0, c1)]
         out = run_chaos(cluster, [c0, c1], runtimes, cfg, log=lambda msg: None)
-    assert out["hung"] == 0, out["errors"]
+    assert out["hung"] == 0, (out["errors"], out["waiting_on"])
     assert out["completed"] == out["workflows"] == 12, out["errors"]
     assert out["wrong"] == 0
     assert len(out["kills"]) == 1 and out["kills"][0]["worker"].startswith("tcp://")

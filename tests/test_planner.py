@@ -296,3 +296,13 @@ def test_explain_names_the_load_term():
     [p] = plan_placements(view, _match(), [64], 1, workers=[B])
     assert "cluster loaded: compute priced" in explain(p.decision)
     assert not _view(busy={A: 1.0}).loaded([A, B]) and _view(busy={A: 1.0, B: 1.0}).loaded([A, B])
+
+
+def test_a_worker_not_calibrated_yet_is_estimated_from_the_measured_ones():
+    c = "tcp://c:3"  # a worker a nanny restarted: no profile, no measured link
+    v = replace(_view(bandwidth=1e9), workers={**_view().workers, c: WorkerLoad(1, 0, 0, 0.0)},
+                default_bandwidth=1e8)
+    assert v.profile(c) is None and v.link(A, c) is None
+    est = v.with_fallbacks()
+    assert est.profile(c) == PROFILE and est.link(A, c).bandwidth == 1e8 and est.link(A, B).bandwidth == 1e9
+    assert replace(v, default_bandwidth=None).with_fallbacks().link(A, c) is None  # nothing to guess from

@@ -138,6 +138,7 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
             break  # a workflow waits past its budget: the scenario failed; the rest is reported as it stands
     killer.stop.set()
     wall = time.time() - t0
+    waiting_on = _waiting_tasks(clients[0]) if len(results) < len(records) else []
     with lock:
         now = time.time() - t0
         for i, r in records.items():
@@ -148,7 +149,32 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
             results.setdefault(a.index, {"index": a.index, "client": a.client, "error": "never started"})
     records = results
     after = runtimes[0].counters()["counters"]
-    return summarize(list(records.values()), killer.kills, before, after, wall, cfg)
+    out = summarize(list(records.values()), killer.kills, before, after, wall, cfg)
+    out["waiting_on"] = waiting_on  # what the unfinished workflows' tasks were waiting on, if any
+    return out
+
+
+def _waiting_tasks(client, most: int = 30) -> list[dict]:
+    """The scheduler's unfinished KV tasks: state, restrictions, and where they run or wait."""
+
+    def look(dask_scheduler):
+        alive = set(dask_scheduler.workers)
+        rows = []
+        for k, ts in dask_scheduler.tasks.items():
+            if ts.state in ("memory", "released", "forgotten", "erred"):
+                continue
+            rows.append({"key": str(k)[:90], "state": ts.state,
+                         "restrictions": sorted(ts.worker_restrictions or ()),
+                         "restricted_to_dead": bool(ts.worker_restrictions) and not (set(ts.worker_restrictions) & alive),
+                         "loose": ts.loose_restrictions,
+                         "processing_on": ts.processing_on.address if ts.processing_on else None,
+                         "waiting_on": [str(d.key)[:60] for d in (ts.waiting_on or ())][:3]})
+        return rows
+
+    try:
+        return client.run_on_scheduler(look)[:most]
+    except Exception as e:  # noqa: BLE001 -- diagnostics only
+        return [{"error": repr(e)}]
 
 
 def summarize(records: list[dict], kills: list[dict], before: dict, after: dict, wall: float,

@@ -89,6 +89,8 @@ class ClusterView:
     prefill_override: PrefillProfile | None = None  # what-if: every worker with this profile
     latency: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> fitted s per fetch
     kv_budget_bytes: int | None = None  # KV bytes each worker may hold (None: no budget)
+    default_bandwidth: float | None = None  # Dask's own bytes/s guess for a pair nobody measured
+    estimate_gaps: bool = False  # unmeasured links and profiles are estimated (``with_fallbacks``)
 
     @classmethod
     def from_snapshot(cls, snap: Mapping, bandwidth_override=None, prefill_override=None) -> ClusterView:
@@ -103,19 +105,25 @@ class ClusterView:
         profiles = {w: PrefillProfile(p["a"], p["b"], p["c"]) for w, p in snap["prefill_profiles"].items()}
         workers = {w: WorkerLoad.from_answer(row) for w, row in snap["workers"].items()}
         return cls(workers, bandwidth, profiles, snap.get("memory_weight") or 0.0, bandwidth_override,
-                   prefill_override, latency, snap.get("kv_budget_bytes"))
+                   prefill_override, latency, snap.get("kv_budget_bytes"), snap.get("default_bandwidth"))
 
     def link(self, src: str, dst: str) -> LinkProfile | None:
         lat = self.latency.get((src, dst)) or self.latency.get((dst, src))
         if self.bandwidth_override is not None:
             return LinkProfile(self.bandwidth_override) if lat is None else LinkProfile(self.bandwidth_override, lat)
         bw = self.bandwidth.get((src, dst)) or self.bandwidth.get((dst, src))
+        if not bw and self.estimate_gaps and src != dst:
+            bw = self.default_bandwidth
         if not bw:
             return None
         return LinkProfile(bw) if lat is None else LinkProfile(bw, lat)
 
     def profile(self, worker: str) -> PrefillProfile | None:
-        return self.prefill_override or self.prefill.get(worker)
+        p = self.prefill_override or self.prefill.get(worker)
+        if p is None and self.estimate_gaps and self.prefill:
+            measured = sorted(self.prefill.values(), key=lambda q: (q.a, q.b, q.c))
+            p = measured[len(measured) // 2]
+        return p
 
     def busy(self, worker: str | None) -> float:
         """Seconds of KV work queued on ``worker`` (what its running tasks still need)."""
@@ -127,6 +135,14 @@ class ClusterView:
         ``loaded``). A worker with under ``IDLE_S`` of queued work counts as idle."""
         pool = [w for w in pool if w in self.workers]
         return bool(pool) and all(self.busy(w) > IDLE_S for w in pool)
+
+    def with_fallbacks(self) -> ClusterView:
+        """This view with its gaps estimated, for a worker that joined (or a nanny restarted)
+        after the last calibration and before the next one could measure it: a worker with no
+        prefill profile gets the median of the measured workers' (the same hardware is
+        assumed), a pair nobody measured moves at ``default_bandwidth`` (Dask's own guess). A
+        plan on it is an estimate; calibration replaces it."""
+        return replace(self, estimate_gaps=True)
 
     def with_queue(self, worker: str | None, busy_s: float) -> ClusterView:
         """This view with ``worker`` busy for at least ``busy_s`` (work a plan just queued there)."""

@@ -2,12 +2,18 @@
 
 ``policy.placement`` is pure; this part feeds it. A view is the plugin's snapshot (worker
 loads, links, fitted prefill profiles) with the what-if overrides a caller set; when the
-cost model raises ``NeedsCalibration`` the cluster is calibrated once and the plan is made
-again on a fresh view. Every destination's decision is kept for ``explain``.
+cost model raises ``NeedsCalibration`` on a cluster never calibrated, it is calibrated once
+(one thread at a time) and the plan is made again on a fresh view. A worker that joined
+later (a nanny's restart, a new job) is planned on estimates instead (``ClusterView.
+with_fallbacks``): stopping every plan to probe a churning cluster is how a stream waits on
+a worker that is gone again; its own prefills fit its profile as it works. Every
+destination's decision is kept for ``explain``.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +24,8 @@ from ..policy.placement import Placement, batch_seconds, plan_placements
 from .calibration import Calibrator
 from .plugin_client import PluginClient
 from .prefix_cache import HeldPrefix
+
+logger = logging.getLogger("daskflow_kv.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,7 @@ class Planner:
     bandwidth_override: float | None = None  # bytes/s for every pair (what-if, tests)
     prefill_override: PrefillProfile | None = None  # one profile for every worker (what-if, tests)
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=1024))  # one per destination, oldest first
+    calibrating: threading.Lock = field(default_factory=threading.Lock)  # held while a thread calibrates
 
     def view(self) -> ClusterView:
         return self.plugin.snapshot(self.bandwidth_override, self.prefill_override)
@@ -64,7 +73,23 @@ class Planner:
         try:
             return plan_placements(view, *args), view
         except NeedsCalibration:
-            view = self.calibrated_view()
+            if view.prefill:  # calibrated before: a worker joined since (a nanny restarted one). Plan on
+                est = view.with_fallbacks()  # estimates; its own prefills fit its profile as it works
+                try:
+                    return plan_placements(est, *args), est
+                except NeedsCalibration:
+                    pass
+            with self.calibrating:  # one calibration at a time per runtime, however many threads plan
+                view = self.view()  # another thread may have calibrated meanwhile
+                try:
+                    return plan_placements(view, *args), view
+                except NeedsCalibration:
+                    view = self.calibrated_view()
+        try:
+            return plan_placements(view, *args), view
+        except NeedsCalibration:  # a worker joined or died while calibrating: estimate its gaps
+            logger.info("planning on estimates for workers not calibrated yet")
+            view = view.with_fallbacks()
             return plan_placements(view, *args), view
 
     def record(self, p: Placement) -> None:
