@@ -1,0 +1,70 @@
+"""docs/reliability.md's table, generated from the scenario JSONs in benchmarks/results/.
+
+One row per fault scenario: the load it held, the faults injected, workflows lost, wrong or
+hung, the KV blocks recomputed, and the latency cost. A scenario whose JSON does not exist
+is listed as not run, so the table never claims more than the results directory holds.
+
+    python -m daskflow_kv.bench.reliability_table            # rewrites docs/reliability.md's block
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from .common import RESULTS_DIR
+
+MARKERS = ("<!-- reliability:start -->", "<!-- reliability:end -->")
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+# scenario -> (its JSON in benchmarks/results, what it is)
+SCENARIOS = {
+    "chaos during a stream": ("chaos.json", "benchmarks/chaos.py"),
+    "soak (>= 30 min)": ("soak.json", None),
+    "a client lost": ("client_lost.json", None),
+    "the scheduler lost": ("scheduler_lost.json", None),
+    "memory pressure": ("memory_pressure.json", None),
+}
+
+
+def _chaos_row(d: dict) -> list[str]:
+    cfg = d["config"]
+    load = (f"2 clients x {cfg['workflows']} workflows ({cfg['concurrency']} at a time each), "
+            f"{d['workers']} workers, {d['model']}")
+    faults = f"{len(d['kills'])} SIGKILLs, one every {cfg['kill_every'][0]:g}-{cfg['kill_every'][1]:g} s"
+    before, after = d.get("latency_median_s_before_first_kill"), d.get("latency_median_s_after_first_kill")
+    cost = f"median {before:.2f} s -> {after:.2f} s" if before and after else "-"
+    return [load, faults, f"{d['lost']} / {d['wrong']} / {d['hung']} of {d['workflows']}",
+            f"{d['counters_delta'].get('lineage_recomputes', 0)} blocks", cost]
+
+
+def render(results: Path = RESULTS_DIR) -> str:
+    lines = ["| scenario | load held | faults injected | lost / wrong / hung | KV recomputed | latency | source |",
+             "|---|---|---|---|---|---|---|"]
+    for name, (file, script) in SCENARIOS.items():
+        path = results / file
+        if not path.is_file():
+            lines.append(f"| {name} | not run | | | | | |")
+            continue
+        d = json.loads(path.read_text())
+        cells = _chaos_row(d) if file == "chaos.json" else ["see JSON"] * 5
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | `{d.get('command', script)}` → `{file}` |")
+    return "\n".join(lines)
+
+
+def rewrite(doc: Path = DOC, results: Path = RESULTS_DIR) -> bool:
+    """Put the rendering between the markers of ``doc``. -> whether it changed."""
+    text = doc.read_text()
+    start, end = (re.escape(m) for m in MARKERS)
+    new = re.sub(rf"{start}.*?{end}", lambda _: f"{MARKERS[0]}\n{render(results)}\n{MARKERS[1]}", text,
+                 flags=re.DOTALL)
+    if new != text:
+        doc.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    changed = rewrite()
+    print(f"{DOC}: {'rewritten' if changed else 'already current'}")
+    sys.exit(0)
