@@ -86,7 +86,7 @@ class KVUsage:
             if e is not None and not self._tiers.spilled_on(ts.key, ws.address):
                 usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
                                         self.pinned(ts, now), e.parent, e.start, e.namespace,
-                                        self._leases.is_planned(ts.key, now)))
+                                        self._leases.is_planned(ts.key, now), len(ts.who_has or ()) > 1))
         return WorkerUsage(used, usage, by_owner)
 
     def incoming(self, ts, worker: str) -> int:

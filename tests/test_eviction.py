@@ -184,3 +184,13 @@ def test_a_block_announced_for_reuse_goes_last_but_still_goes_under_pressure():
     assert plan.victims == ("k2", "k1")  # the hint wins over age
     plan = choose_victims([planned, *fresh], used_bytes=400, budget_bytes=0, now=NOW)
     assert plan.victims[-1] == "plan" and not plan.over_budget_pinned  # soft: never a deadlock
+
+
+def test_a_replica_goes_before_any_sole_copy_and_one_copy_stays_longest():
+    replica = BlockUsage("copy", 100, NOW, 9, replica=True)  # fresh and read often: by score it would stay
+    sole = [blk(f"k{i}", 100, age=500) for i in range(2)]
+    plan = choose_victims([replica, *sole], used_bytes=300, budget_bytes=200, now=NOW)
+    assert plan.victims == ("copy",)
+    planned_replica = BlockUsage("pcopy", 100, NOW, 0, planned=True, replica=True)
+    plan = choose_victims([planned_replica, *sole], used_bytes=300, budget_bytes=200, now=NOW)
+    assert plan.victims == ("pcopy",)  # the hint protects the last copy, not an extra one

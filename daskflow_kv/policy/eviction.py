@@ -11,8 +11,10 @@ Rules, in order of strength:
 2. Chains are cut from the end: a block is a candidate only once every cached child of it
    is gone (or chosen earlier in the same plan). A prefix without its suffix still serves
    a shorter prompt; a suffix without its prefix serves nobody.
-3. A block announced for reuse (``planned``: a later step of a running workflow reads it,
-   KVFlow's workflow-aware hint) goes only after every other candidate: evicting it
+3. A replica (another worker holds the block too) goes before any sole copy: dropping it
+   loses nothing the cluster cannot fetch, so one copy of each prefix stays longest. A
+   block announced for reuse (``planned``: a later step of a running workflow reads it,
+   KVFlow's workflow-aware hint) goes only after every other sole copy: evicting it
    means prefilling it again soon. A hint is soft - under pressure it still goes, so a
    workflow's plans can never deadlock the budget.
 4. Among candidates, the lowest keep score goes first (see ``eviction_score``), ties broken
@@ -38,6 +40,7 @@ class BlockUsage:
     token_start: int = 0  # position of the block's first token: deeper goes first on ties
     owner: str | None = None  # the tenant (namespace) whose block it is; None: nobody's
     planned: bool = False  # a later step of a running workflow will read it: evicted last
+    replica: bool = False  # another worker holds it too: evicted first
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +111,9 @@ def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: 
         if b.parent in children and b.parent != b.key:
             children[b.parent] += 1
 
-    def entry(b: BlockUsage) -> tuple[bool, float, int, str]:
-        return (b.planned, eviction_score(b, now, weights), -b.token_start, b.key)
+    def entry(b: BlockUsage) -> tuple[int, float, int, str]:
+        tier = 0 if b.replica else (2 if b.planned else 1)
+        return (tier, eviction_score(b, now, weights), -b.token_start, b.key)
 
     floors = floors or {}
     left = dict(owner_bytes(by_key.values()) if held is None else held)  # owner -> bytes it still holds
