@@ -79,7 +79,7 @@ def _since(members: list) -> float:
 
 class BudgetEnforcer:
     __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
-                 "_admit_pending", "_evicting", "_over_budget", "_dirty", "_progress_at")
+                 "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
                  quotas: Mapping[str, int] | None = None):
@@ -93,6 +93,7 @@ class BudgetEnforcer:
         self._reserved: dict[str, int] = {}  # worker -> KV bytes promised to admitted, running tasks
         self._admit_pending = False  # something freed room: try the parked tasks again
         self._evicting: set = set()  # keys released by the budget, until Dask confirms
+        self._flushed: set = set()  # those of them released under a budget of 0 (a deliberate flush)
         self._over_budget: set[str] = set()  # workers over budget with only pinned blocks left
         self._dirty = False  # KV use may have changed since the last check (or a worker is still over)
         self._progress_at = 0.0  # when a KV task last finished or KV last left memory: a parked task's patience runs from here
@@ -122,12 +123,17 @@ class BudgetEnforcer:
         self._progress_at = time.time()
         self._admit_pending = True
 
-    def confirm_evicted(self, key) -> bool:
-        """Dask let go of ``key``. -> whether the budget had released it."""
+    def confirm_evicted(self, key) -> str | None:
+        """Dask let go of ``key``. -> "evicted" when the budget had released it under pressure,
+        "flushed" when under a budget of 0 (everything goes on purpose: nothing to regret),
+        None when the budget had not released it."""
         if key in self._evicting:
             self._evicting.discard(key)
-            return True
-        return False
+            if key in self._flushed:
+                self._flushed.discard(key)
+                return "flushed"
+            return "evicted"
+        return None
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` is gone: nothing is reserved there; parked tasks planned there go elsewhere."""
@@ -298,6 +304,8 @@ class BudgetEnforcer:
                 di.drop_replica(self._scheduler, addr, [key], stimulus)
             else:
                 self._evicting.add(key)
+                if self._settings.kv_budget_bytes == 0:
+                    self._flushed.add(key)
                 di.unwant(self._scheduler, [key], CACHE_CLIENT, stimulus)
             self._catalog.count("evictions", namespace=namespace)
             self._catalog.count("bytes_evicted", ts.get_nbytes(), namespace)
@@ -334,4 +342,5 @@ class BudgetEnforcer:
             else:
                 self._over_budget.discard(addr)
         self._evicting = {k for k in self._evicting if k in self._scheduler.tasks}  # dropped some other way
+        self._flushed &= self._evicting
         return evicted

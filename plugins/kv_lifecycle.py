@@ -49,8 +49,9 @@ class BlockLifecycle:
             self._budget.note_progress()  # room was freed: parked tasks wait on from now
             ts = self._scheduler.tasks.get(key)
             wanted = ts is not None and bool(ts.who_wants or ts.waiters)
-            if self._budget.confirm_evicted(key):
-                self._catalog.set_status(key, "evicted")
+            released = self._budget.confirm_evicted(key)
+            if released:  # a flush (a budget of 0) empties the cache on purpose: no eviction to regret
+                self._catalog.set_status(key, "evicted" if released == "evicted" else "released")
             elif wanted:  # its worker died; Dask recomputes it from its run spec
                 self._catalog.set_status(key, "lost")
                 self._events.record("lost", entry.namespace, key=key)
