@@ -225,7 +225,7 @@ class ClientHandlers:
         for meta in metas:
             if meta["state_id"] in self._catalog.states:  # registered meanwhile
                 raise AccessDenied(f"state {meta['state_id']} is already registered")
-            self._catalog.add_state(meta, s.namespace)
+            self._catalog.add_state(meta, s.namespace, s.client)
             self._events.record(meta.get("op", "state"), s.namespace, state_id=meta["state_id"],
                                 parents=list(meta.get("parents", ())), blocks=len(meta["block_keys"]),
                                 tokens=meta.get("tokens", 0), worker=meta.get("worker"),

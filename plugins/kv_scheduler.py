@@ -277,7 +277,14 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.locality.reschedule_orphans(f"kv-worker-added-{time.time()}")
 
     def remove_client(self, scheduler, client: str) -> None:
+        """A client left (closed, or its process died): its sessions end and the states it
+        registered are released - Dask already dropped its wants, so their blocks are the
+        cache's now, evictable; nothing of it stays live in the catalog."""
         self.tenants.end_client(client)
+        for st in self.catalog.release_client(client):
+            self.event_log.record("release", st.namespace, state_id=st.state_id, reason="client left")
+        self.budget.note_change()
+        self.budget.note_progress()
 
     def handle_bind(self, nonce=None, client=None, **ignored) -> None:
         """``BIND_OP`` on a client's stream: the login challenge it answers (``tenants``). Never raises."""

@@ -22,7 +22,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 SCENARIOS = {
     "chaos during a stream": ("chaos.json", "benchmarks/chaos.py"),
     "soak (>= 30 min)": ("soak.json", None),
-    "a client lost": ("client_lost.json", None),
+    "a client lost": ("client_lost.json", "benchmarks/client_lost.py"),
     "the scheduler lost": ("scheduler_lost.json", None),
     "memory pressure": ("memory_pressure.json", None),
 }
@@ -39,6 +39,19 @@ def _chaos_row(d: dict) -> list[str]:
             f"{d['counters_delta'].get('lineage_recomputes', 0)} blocks", cost]
 
 
+def _client_lost_row(d: dict) -> list[str]:
+    before, after = d["victim_before"], d["victim_after"]
+    cleaned = d["cleaned_within_s"]
+    return [f"a client holding {before['live_states']} live states and {before['blocks_still_wanted']} pinned "
+            f"blocks; another client streaming {d['survivor_workflows']} workflows",
+            f"the first client's process SIGKILLed {d['kill_after_s']:g} s into the stream",
+            f"0 / {d['survivor_workflows'] - d['survivor_agree']} / 0 of {d['survivor_workflows']} (survivor)",
+            "-",
+            (f"victim cleaned up in {cleaned:.1f} s: sessions {after['sessions']}, live states "
+             f"{after['live_states']}, pinned blocks {after['blocks_still_wanted']}") if cleaned is not None
+            else "victim NOT cleaned up"]
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     lines = ["| scenario | load held | faults injected | lost / wrong / hung | KV recomputed | latency | source |",
              "|---|---|---|---|---|---|---|"]
@@ -48,7 +61,8 @@ def render(results: Path = RESULTS_DIR) -> str:
             lines.append(f"| {name} | not run | | | | | |")
             continue
         d = json.loads(path.read_text())
-        cells = _chaos_row(d) if file == "chaos.json" else ["see JSON"] * 5
+        rows = {"chaos.json": _chaos_row, "client_lost.json": _client_lost_row}
+        cells = rows[file](d) if file in rows else ["see JSON"] * 5
         lines.append(f"| {name} | " + " | ".join(cells) + f" | `{d.get('command', script)}` → `{file}` |")
     return "\n".join(lines)
 

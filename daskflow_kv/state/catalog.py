@@ -82,6 +82,7 @@ class StateEntry:
     tokens: int
     worker: str | None
     namespace: str = ""  # the tenant whose client registered it
+    client: str | None = None  # the Dask client that registered it: its states end when it leaves
     created: float = field(default_factory=time.time)
     status: str = "live"  # live | released
 
@@ -179,7 +180,7 @@ class KVCatalog:
         return None if entry is None else entry.namespace
 
     # -- states ---------------------------------------------------------------------------
-    def add_state(self, meta: dict, namespace: str = "") -> None:
+    def add_state(self, meta: dict, namespace: str = "", client: str | None = None) -> None:
         st = StateEntry(
             meta["state_id"],
             tuple(meta["block_keys"]),
@@ -188,10 +189,19 @@ class KVCatalog:
             meta.get("tokens", 0),
             meta.get("worker"),
             namespace,
+            client,
         )
         self.states[st.state_id] = st
         for key in st.block_keys:
             self.live_holders.setdefault(key, set()).add(st.state_id)
+
+    def release_client(self, client: str) -> list[StateEntry]:
+        """The live states ``client`` registered, released: it left (closed, or its process died)
+        and nothing can release them any more. -> those states."""
+        gone = [st for st in self.states.values() if st.client == client and st.status == "live"]
+        for st in gone:
+            self.release_state(st.state_id)
+        return gone
 
     def release_state(self, state_id: str) -> None:
         st = self.states.get(state_id)

@@ -188,3 +188,23 @@ async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a
     assert pre["key"] == younger.key
     del held  # its client lets go: the older task runs
     assert len(await older) == 400
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_a_client_that_leaves_has_its_states_released_and_its_blocks_left_to_the_cache(c, s, a, b):
+    from distributed import Client
+
+    plugin = await start_plugin(s, evict_interval="50ms")
+    other = await Client(s.address, asynchronous=True)
+    token = await login(other)
+    block = submit_block(other, token, a.address, 400)
+    await block
+    sid = "kvstate-leaver-000000000001"
+    await other.scheduler.kv_register_states(session=token, metas=[
+        {"state_id": sid, "block_keys": [block.key], "op": "materialize", "tokens": 4, "worker": a.address}])
+    assert plugin.catalog.states[sid].status == "live"
+    key = block.key
+    await other.close()  # as if its process died: nothing releases the state but the plugin
+    await until(lambda: plugin.catalog.states[sid].status == "released", what="the state's release")
+    assert wanted_only_by_cache(s, key)  # evictable now
+    assert any(e.get("state_id") == sid and e.get("reason") == "client left" for e in events(plugin, "release"))
