@@ -49,6 +49,12 @@ class KVPreempted(KVBudgetError):
     (the workflow executor does)."""
 
 
+class SchedulerLost(DaskflowKVError, ConnectionError):
+    """The scheduler this runtime talks to is gone (killed, its machine lost, the network cut):
+    the call failed instead of waiting. Its KV lived on the cluster; a new cluster over the
+    same persistent store reads what was stored instead of prefilling it again."""
+
+
 class OpenSchedulerError(InvalidInputError):
     """A client holds a tenant's secret but the scheduler has no tenants: it would act as an admin
     of one shared trust domain (``daskflow-kv.open-scheduler: warn`` allows it)."""

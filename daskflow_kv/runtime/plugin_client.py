@@ -14,6 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from distributed import Client
+from distributed.comm.core import CommClosedError
+
+from ..errors import SchedulerLost
 
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
@@ -30,8 +33,15 @@ class PluginClient:
         return cls(client, login(client, namespace, secret))
 
     def call(self, name: str, **kwargs):
-        """One ``kv_*`` RPC for this session; every method below goes through here."""
-        return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
+        """One ``kv_*`` RPC for this session; every method below goes through here. A scheduler
+        that is gone is ``SchedulerLost``, naming it, once Dask gives up connecting
+        (``distributed.comm.timeouts.connect``), not a bare comm error."""
+        try:
+            return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
+        except (CommClosedError, OSError) as e:
+            address = getattr(self.client.scheduler, "address", None) or "?"
+            raise SchedulerLost(f"the scheduler at {address} is gone ({type(e).__name__}: {e}); "
+                                "start a new cluster (KV in a persistent store is read back, not prefilled)") from e
 
     # -- blocks --------------------------------------------------------------------------------
     def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:
