@@ -38,6 +38,7 @@ class ChaosConfig:
     kill_every: tuple[float, float] = (5.0, 40.0)  # seconds between kills, uniform
     max_kills: int | None = None  # stop killing after this many (None: until the stream ends)
     hang_s: float = 180.0  # a workflow not done this long after it started counts as hung
+    kill_after_done: int = 0  # the killer's clock starts once this many workflows finished (mid-stream)
     seed: int = 7
 
 
@@ -50,6 +51,11 @@ def _run(rt, wf, mode: str):
     return run_text_mode(cw, rt) if mode == "text" else run_state_mode(cw, rt)
 
 
+def _keys_held(dask_scheduler, a: str) -> int:
+    ws = dask_scheduler.workers.get(a)
+    return len(ws.has_what) if ws is not None else 0
+
+
 class Killer(threading.Thread):
     """SIGKILLs a random worker process every U(lo, hi) seconds until stopped."""
 
@@ -57,24 +63,28 @@ class Killer(threading.Thread):
         super().__init__(name="chaos-killer", daemon=True)
         self.client, self.every, self.max_kills, self.rng = client, every, max_kills, rng
         self.stop = threading.Event()
+        self.go = threading.Event()  # set when the stream is far enough along to start killing
         self.kills: list[dict] = []
+        self.errors: list[str] = []  # attempts that failed (workers restarting), for the record
 
     def run(self) -> None:
         t0 = time.time()
+        while not self.go.wait(0.05):
+            if self.stop.is_set():
+                return
         while not self.stop.wait(self.rng.uniform(*self.every)):
             if self.max_kills is not None and len(self.kills) >= self.max_kills:
                 return
             try:
                 pids = self.client.run(os.getpid, wait=True)
-            except Exception:  # noqa: BLE001 -- workers restarting: try at the next tick
+                if len(pids) < 2:  # keep one worker alive: a cluster with none only waits
+                    continue
+                addr = self.rng.choice(sorted(pids))
+                held = self.client.run_on_scheduler(_keys_held, a=addr)
+                os.kill(pids[addr], signal.SIGKILL)
+            except Exception as e:  # noqa: BLE001 -- workers restarting: try at the next tick
+                self.errors.append(f"{type(e).__name__}: {e}"[:200])
                 continue
-            if len(pids) < 2:  # keep one worker alive: a cluster with none only waits
-                continue
-            addr = self.rng.choice(sorted(pids))
-            held = self.client.run_on_scheduler(
-                lambda dask_scheduler, a: len(dask_scheduler.workers[a].has_what) if a in dask_scheduler.workers
-                else 0, a=addr)
-            os.kill(pids[addr], signal.SIGKILL)
             self.kills.append({"at_s": time.time() - t0, "worker": addr, "keys_held": held})
 
 
@@ -96,6 +106,8 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
     records: dict[int, dict] = {}  # index -> when it started (results: when it ended)
     t0 = time.time()
     killer.start()
+    if cfg.kill_after_done <= 0:
+        killer.go.set()
     log(f"chaos: streaming {n} workflows from {len(runtimes)} clients, killing a worker every "
         f"{cfg.kill_every[0]:g}-{cfg.kill_every[1]:g} s")
 
@@ -124,6 +136,8 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
             out = one(a)
             with lock:
                 results[a.index] = out
+                if len(results) >= cfg.kill_after_done:
+                    killer.go.set()
 
     threads = [threading.Thread(target=drain, args=(q,), daemon=True, name=f"chaos-client{c}-{j}")
                for c, q in enumerate(queues) for j in range(cfg.concurrency)]
@@ -151,6 +165,7 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
     after = runtimes[0].counters()["counters"]
     out = summarize(list(records.values()), killer.kills, before, after, wall, cfg)
     out["waiting_on"] = waiting_on  # what the unfinished workflows' tasks were waiting on, if any
+    out["kill_errors"] = killer.errors[:10]
     return out
 
 
