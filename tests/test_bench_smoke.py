@@ -51,10 +51,11 @@ def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
             assert r["ttft_mean_s"] >= r["shared_prefill_wall_s"], r
         elif r["system"] == "dkv":
             assert r["shared_prefill_wall_s"] == 0.0, r  # the context was cached before the start
-        else:  # a per-worker cache's router may send a warm request to the other, idle worker, which prefills
+        else:  # a per-worker cache's router may send a warm request to the other, idle worker, which
+            # prefills the context again: never more than its cold run did (timings that small are noise)
             cold = next(c for c in runs if (c["exp"], c.get("k"), c["system"], c["phase"], c["rep"])
                         == (r["exp"], r.get("k"), r["system"], "cold", r["rep"]))
-            assert r["shared_prefill_wall_s"] <= cold["shared_prefill_wall_s"], (r, cold)
+            assert r["tokens_prefilled"] <= cold["tokens_prefilled"], (r, cold)
     assert by_k(runs, 1, "dkv", "cold")["batched_branches"] == 1, by_k(runs, 1, "dkv", "cold")  # the unbatched path
     by = {(r["exp"], r["system"], r["phase"]): r for r in runs if r.get("k", 4) == 4}
     for system in ("local", "dkv"):  # 4 agents on 2 workers: some worker decodes >= 2 branches as one batch

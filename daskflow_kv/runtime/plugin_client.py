@@ -39,6 +39,8 @@ class PluginClient:
         try:
             return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
         except (CommClosedError, OSError) as e:
+            if isinstance(e, PermissionError):  # the plugin refused (AccessDenied): an answer, not a loss
+                raise
             address = getattr(self.client.scheduler, "address", None) or "?"
             raise SchedulerLost(f"the scheduler at {address} is gone ({type(e).__name__}: {e}); "
                                 "start a new cluster (KV in a persistent store is read back, not prefilled)") from e
