@@ -173,6 +173,7 @@ class BudgetEnforcer:
         stimulus = f"kv-admit-{now}"
         gangs: dict[str, list] = {}
         stuck: list[list] = []  # [(key, ts, held, verdict)] per task or gang that nothing can unblock
+        running = any(h.worker is not None for h in self._held.values())  # its end may free room
         for key, held in sorted(self._held.items(), key=lambda kv: kv[1].since):
             ts = self._scheduler.tasks.get(key)
             if ts is None or held.worker is not None or ts.state != "no-worker":
@@ -180,13 +181,13 @@ class BudgetEnforcer:
             if held.gang is not None:
                 gangs.setdefault(held.gang, []).append((key, ts, held))
                 continue
-            d = self._decide(ts, held, now)
+            d = self._decide(ts, held, now, running=running)
             if d is not None and d.action == STUCK:
                 stuck.append([(key, ts, held, d)])
             elif d is not None:
                 self._apply(key, ts, held, d, stimulus)
         for members in gangs.values():
-            self._admit_gang(members, now, stimulus, stuck)
+            self._admit_gang(members, now, stimulus, stuck, running)
         if stuck:
             self._preempt_youngest(stuck, stimulus)
 
@@ -207,14 +208,14 @@ class BudgetEnforcer:
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
 
-    def _admit_gang(self, members: list, now: float, stimulus: str, stuck: list) -> None:
+    def _admit_gang(self, members: list, now: float, stimulus: str, stuck: list, running: bool) -> None:
         """All of a gang at once: admitted when every member fits, failed when one never can."""
         waited = now - min(h.since for _, _, h in members)
         if len(members) < members[0][2].gang_size and waited < self._settings.admission_patience:
             return  # the rest still wait for their inputs; a member that never comes stops blocking later
         verdicts, promised = [], {}
         for key, ts, held in members:
-            v = self._decide(ts, held, now, promised)
+            v = self._decide(ts, held, now, promised, running)
             if v is None:
                 return
             verdicts.append(v)
@@ -245,10 +246,12 @@ class BudgetEnforcer:
         ws = sorted(workers.values(), key=lambda w: (len(w.processing), w.address))
         return ws[0].address if ws else None
 
-    def _decide(self, ts, held: Held, now: float, promised: dict | None = None) -> Verdict | None:
+    def _decide(self, ts, held: Held, now: float, promised: dict | None = None,
+                running: bool = False) -> Verdict | None:
         """The verdict for one parked task; None when no worker can take it.
 
-        ``promised``: worker -> bytes this pass already gave the task's gang there.
+        ``promised``: worker -> bytes this pass already gave the task's gang there;
+        ``running``: a KV task admitted anywhere is still running.
         """
         worker = self._pick_worker(ts, held)
         if worker is None:
@@ -266,13 +269,9 @@ class BudgetEnforcer:
             by_owner = self._reserved_by_owner(worker)
             by_owner[held.namespace] = by_owner.get(held.namespace, 0) + promised_here
             tenancy = Tenancy(held.namespace, self._quotas, wu.by_owner, by_owner)
-        d = admit(need, wu.used, reserved, budget, wu.blocks, now, self._running(),
+        d = admit(need, wu.used, reserved, budget, wu.blocks, now, running,
                   now - max(held.since, self._progress_at), self._settings.admission_patience, worker, tenancy)
         return Verdict(d.action, d.victims, d.reason, worker, need)
-
-    def _running(self) -> bool:
-        """A KV task admitted anywhere is still running: its end may release what a parked one needs."""
-        return any(h.worker is not None for h in self._held.values())
 
     def _reserved_by_owner(self, worker: str) -> dict[str | None, int]:
         """Bytes promised to each namespace's admitted, running tasks on ``worker``."""

@@ -240,6 +240,10 @@ class TenantRegistry:
                 return s
         return None
 
+    def sessions_of(self, client: str) -> int:
+        """How many sessions ``client`` holds."""
+        return sum(1 for s in self._sessions.values() if s.client == client)
+
     def end_client(self, client: str) -> int:
         """Drop the sessions of a Dask client that disconnected. -> how many."""
         gone = [t for t, s in self._sessions.items() if s.client == client]

@@ -103,7 +103,7 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
     before = runtimes[0].counters()["counters"]
 
     killer = Killer(clients[0], cfg.kill_every, cfg.max_kills, rng)
-    records: dict[int, dict] = {}  # index -> when it started (results: when it ended)
+    started: dict[int, dict] = {}  # index -> the workflow as it started (results: as it ended)
     t0 = time.time()
     killer.start()
     if cfg.kill_after_done <= 0:
@@ -132,7 +132,7 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
                 if not queue:
                     return
                 a = queue.pop(0)
-                records[a.index] = {"index": a.index, "client": a.client, "start_s": time.time() - t0, "running": True}
+                started[a.index] = {"index": a.index, "client": a.client, "start_s": time.time() - t0}
             out = one(a)
             with lock:
                 results[a.index] = out
@@ -147,23 +147,22 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
         time.sleep(0.5)
         now = time.time() - t0
         with lock:
-            stuck = [r for i, r in records.items() if i not in results and now - r["start_s"] > cfg.hang_s]
+            stuck = [r for i, r in started.items() if i not in results and now - r["start_s"] > cfg.hang_s]
         if stuck:
             break  # a workflow waits past its budget: the scenario failed; the rest is reported as it stands
     killer.stop.set()
     wall = time.time() - t0
-    waiting_on = _waiting_tasks(clients[0]) if len(results) < len(records) else []
+    waiting_on = _waiting_tasks(clients[0]) if len(results) < len(started) else []
     with lock:
         now = time.time() - t0
-        for i, r in records.items():
+        for i, r in started.items():
             if i not in results:
                 results[i] = {**r, "hung": now - r["start_s"] > cfg.hang_s,
                               "error": f"not done after {now - r['start_s']:.0f} s"}
         for a in arrivals:
             results.setdefault(a.index, {"index": a.index, "client": a.client, "error": "never started"})
-    records = results
     after = runtimes[0].counters()["counters"]
-    out = summarize(list(records.values()), killer.kills, before, after, wall, cfg)
+    out = summarize(list(results.values()), killer.kills, before, after, wall, cfg)
     out["waiting_on"] = waiting_on  # what the unfinished workflows' tasks were waiting on, if any
     out["kill_errors"] = killer.errors[:10]
     return out

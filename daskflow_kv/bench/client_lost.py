@@ -41,7 +41,7 @@ def _scheduler_view(client, victim: str) -> dict:
                 if ts is not None and any(c.client_key not in (CACHE_CLIENT,) for c in ts.who_wants or ()):
                     pinned += 1
         return {"client_present": cs is not None, "wants": len(cs.wants_what) if cs is not None else 0,
-                "sessions": sum(1 for s in plugin.tenants._sessions.values() if s.client == victim),
+                "sessions": plugin.tenants.sessions_of(victim),
                 "live_states": len(live), "blocks_still_wanted": pinned,
                 "registered_states": sum(1 for st in plugin.catalog.states.values() if st.client == victim)}
 

@@ -12,7 +12,6 @@ destination's decision is kept for ``explain``.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -24,8 +23,6 @@ from ..policy.placement import Placement, batch_seconds, plan_placements
 from .calibration import Calibrator
 from .plugin_client import PluginClient
 from .prefix_cache import HeldPrefix
-
-logger = logging.getLogger("daskflow_kv.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +70,13 @@ class Planner:
         try:
             return plan_placements(view, *args), view
         except NeedsCalibration:
-            if view.prefill:  # calibrated before: a worker joined since (a nanny restarted one). Plan on
-                est = view.with_fallbacks()  # estimates; its own prefills fit its profile as it works
-                try:
-                    return plan_placements(est, *args), est
-                except NeedsCalibration:
-                    pass
-            with self.calibrating:  # one calibration at a time per runtime, however many threads plan
-                view = self.view()  # another thread may have calibrated meanwhile
-                try:
-                    return plan_placements(view, *args), view
-                except NeedsCalibration:
-                    view = self.calibrated_view()
-        try:
-            return plan_placements(view, *args), view
-        except NeedsCalibration:  # a worker joined or died while calibrating: estimate its gaps
-            logger.info("planning on estimates for workers not calibrated yet")
+            if not view.prefill:  # never calibrated: measure it, one thread at a time per runtime
+                with self.calibrating:
+                    view = self.view()  # another thread may have calibrated meanwhile
+                    if not view.prefill:
+                        view = self.calibrated_view()
+            # Gaps left: a worker that joined since (a nanny restarted one) or died while probed.
+            # Estimate them; its own prefills fit its profile as it works.
             view = view.with_fallbacks()
             return plan_placements(view, *args), view
 
