@@ -15,6 +15,8 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
+from .errors import InvalidInputError
+
 NAMESPACE = "daskflow-kv"
 DEFAULTS_FILE = Path(__file__).with_name("daskflow-kv.yaml")
 
@@ -31,9 +33,19 @@ def get(key: str, override=None):
 def get_bytes(key: str, override=None) -> int | None:
     """A byte size (``"512MiB"``, ``2e9``, ``None``) as an int, or None when unset."""
     value = get(key, override)
-    return None if value is None else parse_bytes(value)
+    try:
+        return None if value is None else parse_bytes(value)
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidInputError(f"daskflow-kv.{key}: {value!r} is not a byte size (e.g. 512MiB)") from e
 
 
 def get_seconds(key: str, override=None) -> float:
-    """A duration (``"200ms"``, ``2``) in seconds."""
-    return parse_timedelta(get(key, override), default="seconds")
+    """A duration (``"200ms"``, ``2``) in seconds; a bad one is one line naming the setting."""
+    value = get(key, override)
+    try:
+        seconds = parse_timedelta(value, default="seconds")
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidInputError(f"daskflow-kv.{key}: {value!r} is not a duration (e.g. 500ms, 2s)") from e
+    if seconds is None or seconds < 0:
+        raise InvalidInputError(f"daskflow-kv.{key}: {value!r} is not a duration (e.g. 500ms, 2s)")
+    return seconds

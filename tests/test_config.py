@@ -55,3 +55,17 @@ def test_engine_takes_block_size_and_model_from_config():
     assert "qwen2" in eng.fingerprint.model_id
     state = eng.materialize(list(range(3, 23)))
     assert [b.end - b.start for b in state.blocks] == [8, 8, 4]
+
+
+def test_a_bad_duration_or_size_setting_is_one_line_naming_it():
+    import dask
+    import pytest
+
+    from daskflow_kv import config
+    from daskflow_kv.errors import InvalidInputError
+
+    with dask.config.set({"daskflow-kv.scheduler.reuse-hint": "soon", "daskflow-kv.kv-budget": "lots"}):
+        with pytest.raises(InvalidInputError, match=r"^daskflow-kv\.scheduler\.reuse-hint: 'soon' is not a duration"):
+            config.get_seconds("scheduler.reuse-hint")
+        with pytest.raises(InvalidInputError, match=r"^daskflow-kv\.kv-budget: 'lots' is not a byte size"):
+            config.get_bytes("kv-budget")
