@@ -39,13 +39,14 @@ from .kv_ownership import KeyOwnership
 from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
 from .kv_settings import KVSettings
+from .kv_timeline import KVTimeline
 from .kv_usage import KVUsage
 from .kv_views import KVViews
 from .tenants import AccessDenied, Session, TenantRegistry
 
 RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
              "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
-             "kv_drop")
+             "kv_drop", "kv_workflow_done")
 
 
 class Arrivals:
@@ -83,12 +84,12 @@ def _strings(name: str, value, most: int = MAX_LIST) -> list[str]:
 
 class ClientHandlers:
     __slots__ = ("_scheduler", "_settings", "_tenants", "_catalog", "_ownership", "_leases", "_locality", "_budget",
-                 "_usage", "_queue", "_profiles", "_lifecycle", "_events", "_views", "arrivals")
+                 "_usage", "_queue", "_profiles", "_lifecycle", "_events", "_views", "_timeline", "arrivals")
 
     def __init__(self, scheduler, settings: KVSettings, tenants: TenantRegistry, catalog: KVCatalog,
                  ownership: KeyOwnership, leases: LeaseBook, locality: Locality, budget: BudgetEnforcer,
                  usage: KVUsage, queue: QueueTracker, profiles: ProfileBook, lifecycle: BlockLifecycle,
-                 events: EventLog, views: KVViews):
+                 events: EventLog, views: KVViews, timeline: KVTimeline):
         self._scheduler = scheduler  # tasks and workers the answers describe
         self._settings = settings  # the budget and memory weight (the admin changes them)
         self._tenants = tenants  # sessions: who is calling, what they may see
@@ -103,6 +104,7 @@ class ClientHandlers:
         self._lifecycle = lifecycle  # dropping the whole cache
         self._events = events  # lifecycle events of the calls
         self._views = views  # catalog rows and counters
+        self._timeline = timeline  # finished workflows, for the KV page's live plots
         self.arrivals = Arrivals()  # graphs arriving (the plugin notes each): register_states waits on it
 
     def handlers(self) -> dict:
@@ -279,6 +281,12 @@ class ClientHandlers:
     def handle_counters(self, session: str) -> dict:
         s = self._session(session)
         return self._views.counters_view(None if s.is_admin else s.namespace, public=True)
+
+    def handle_workflow_done(self, session: str, agents: int, wall_s: float, ttft_s: list[float]) -> None:
+        """A runtime finished a workflow: its agents, wall time and each agent's TTFT (seconds),
+        for the KV page's live plots of the caller's namespace."""
+        s = self._session(session)
+        self._timeline.workflow_done(time.time(), s.namespace, agents, wall_s, ttft_s)
 
     def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float,
                                 latency: float | None = None) -> None:

@@ -34,7 +34,9 @@ object with its own state (built at ``start``, given the parts it calls):
   schedules it - only its own namespace's session may compute a key, its annotation is
   checked (``kv_notes``), and what fails is refused before anything of it runs;
 * ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself;
-* ``engines`` (``kv_engines``): each worker's continuous-batching loop (batch, step time, queue).
+* ``engines`` (``kv_engines``): each worker's continuous-batching loop (batch, step time, queue);
+* ``timeline`` (``kv_timeline``): finished workflows and periodic samples, for the KV page's
+  live plots.
 
 And an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
 their replicas are placed on purpose (the budget, not the AMM, decides when they go).
@@ -77,6 +79,7 @@ from .kv_engines import EngineGauges
 from .kv_reports import WorkerReports
 from .kv_settings import KVSettings
 from .kv_tiers import TierTracker
+from .kv_timeline import KVTimeline, Sample
 from .kv_usage import KVUsage
 from .kv_views import KVViews
 from .tenants import TenantRegistry
@@ -133,6 +136,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     client_api: ClientHandlers  # the kv_* RPCs
     reports: WorkerReports  # workers' reports, each from the worker itself
     engines: EngineGauges  # each worker's continuous-batching loop, from its reports
+    timeline: KVTimeline  # finished workflows and samples, for the KV page's live plots
 
     def __init__(
         self,
@@ -172,6 +176,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.tiers = TierTracker(self.catalog, self.event_log)
         self.reports = WorkerReports(s, self._accept_report)
         self.engines = EngineGauges()
+        self.timeline = KVTimeline()
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
         self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
@@ -182,7 +187,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.views = KVViews(s, settings, self.catalog, self.tiers, self.usage, self.event_log, self.tenants)
         self.client_api = ClientHandlers(s, settings, self.tenants, self.catalog, self.ownership, self.leases,
                                          self.locality, self.budget, self.usage, self.queue, self.profiles,
-                                         self.lifecycle, self.event_log, self.views)
+                                         self.lifecycle, self.event_log, self.views, self.timeline)
 
     async def start(self, scheduler) -> None:
         self._build(scheduler)
@@ -212,8 +217,19 @@ class KVSchedulerPlugin(SchedulerPlugin):
         try:
             self.locality.reschedule_orphans(f"kv-tick-{now}")
             self.budget.enforce()
+            if self.timeline.due(now):
+                self.timeline.sample(self._timeline_sample(now))
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv periodic check failed")
+
+    def _timeline_sample(self, now: float) -> Sample:
+        kv_bytes = self.usage.bytes_by_worker()
+        gauges = {w: self.engines.of(w) for w in kv_bytes}
+        reused = self.catalog.counter_by_namespace("tokens_reused")
+        computed = self.catalog.counter_by_namespace("tokens_computed")
+        return Sample(now, kv_bytes, {w: g.steps for w, g in gauges.items()},
+                      {w: g.batch_total for w, g in gauges.items()},
+                      {ns: (int(reused.get(ns, 0)), int(computed.get(ns, 0))) for ns in reused.keys() | computed.keys()})
 
     # -- Dask's hooks, routed to the parts ------------------------------------------------------
     def update_graph(self, scheduler, *, client, keys, tasks, annotations, priority, stimulus_id, **kwargs) -> None:

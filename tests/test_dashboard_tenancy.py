@@ -256,3 +256,30 @@ def test_metrics_name_namespaces_only_when_the_operator_enables_it(run):
     for ns in USERS:
         assert re.search(rf'^daskflow_kv_tenant_states\{{namespace="{ns}",status="live"\}} [1-9]', body, re.M), ns
         assert re.search(rf'^daskflow_kv_tenant_bytes\{{namespace="{ns}"\}} [1-9]', body, re.M), ns
+
+
+def test_live_plots_show_each_tenant_its_own_workflows(run):
+    """Each tenant reports a workflow with a TTFT no one else has; the plots' series of a tenant
+    hold its own, the admin's the cluster's; a browser that has not logged in gets no TTFT."""
+    alice, bob = run.runtimes
+    alice.note_workflow(1, 2.0, [7.25])
+    bob.note_workflow(1, 2.0, [3.5])
+    admin = _login(run.base, "ops-team")
+
+    def p50(cookie=None):
+        return json.loads(_request(run.base, "GET", "/kv/api.json", cookie)[2])["timeline"]["ttft_p50_s"][-1]
+
+    deadline = time.monotonic() + 15
+    while p50(admin) != pytest.approx(5.375) and time.monotonic() < deadline:  # the next sample (2 s)
+        time.sleep(0.2)
+    assert p50(admin) == pytest.approx(5.375)
+    assert p50() is None  # a browser not logged in: totals only, no timing
+    assert p50(_login(run.base, "alice-lab")) == 7.25 and p50(_login(run.base, "bob-lab")) == 3.5
+    cookie = _login(run.base, "alice-lab")
+    page = _request(run.base, "GET", "/kv", cookie)[2].decode()
+    script = re.search(r'<script src="(/kv/static/js/bokeh\.min\.js\?v=[^"]+)"', page)
+    assert script and 'id="kv-plots-item"' in page
+    status, headers, body = _request(run.base, "GET", script.group(1))
+    assert status == 200 and "javascript" in headers["Content-Type"] and len(body) > 100_000
+    d = json.loads(_request(run.base, "GET", "/kv/api.json?html=1", cookie)[2])
+    assert 7.25 in d["plots"]["kv-series"]["ttft_p50_s"] and len(d["plots"]["kv-bytes"]["worker"]) == 2

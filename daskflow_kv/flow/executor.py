@@ -204,6 +204,7 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
         level_tokens.append(computed)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
                             prefills=prefills, preemptions=preemptions)
+    rt.note_workflow(len(results), result.wall_s, [a.ttft_s for a in results.values()])
     result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
     for st in states.values():
         rt.release(st)  # the cache keeps the blocks (retention), subject to the budget

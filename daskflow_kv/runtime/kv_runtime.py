@@ -12,6 +12,7 @@ in worker memory; a ``DistKVState`` is a descriptor plus the futures that keep t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from distributed import Client, Future, wait
@@ -39,6 +40,8 @@ from .publish import Publisher
 from .registry import StateRegistry
 from .resume import Resumer
 from .submit import Submitter
+
+logger = logging.getLogger("daskflow_kv.runtime")
 
 
 class KVRuntime:
@@ -246,6 +249,14 @@ class KVRuntime:
         lines = [explain(d) for d in self.decisions]
         lines += [f"parallel prefill over {p.width}: {p.reason}" for p in self.parallel_plans]
         return "\n".join(lines + ([self.explain_store()] if self.store_decisions else []))
+
+    def note_workflow(self, agents: int, wall_s: float, ttft_s: Sequence[float]) -> None:
+        """Tell the scheduler a workflow finished (the KV page's live plots of this namespace).
+        Informational: a refusal or a lost scheduler is logged, never the workflow's failure."""
+        try:
+            self.plugin.workflow_done(agents, wall_s, [max(0.0, t) for t in ttft_s])
+        except Exception as e:  # noqa: BLE001
+            logger.debug("daskflow-kv: workflow report not recorded: %s", e)
 
     def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
         wait([f for s in states for f in s.futures], timeout=timeout)

@@ -254,6 +254,10 @@ class KVCatalog:
         """``namespace``'s counters (None: the cluster's own)."""
         return {**dict.fromkeys(COUNTERS, 0), **self._counters.get(namespace, {})}
 
+    def counter_by_namespace(self, name: str) -> dict[str | None, float]:
+        """One counter of every namespace that counted anything (None: the cluster's own)."""
+        return {ns: mine.get(name, 0) for ns, mine in self._counters.items()}
+
     @property
     def counters(self) -> dict[str, float]:
         """Every namespace's counters added up (the operator's)."""

@@ -3,7 +3,8 @@
 ``KVDashboardPlugin`` is a scheduler plugin that adds routes to the scheduler's HTTP
 server (the one serving Dask's dashboard and ``/metrics``):
 
-* ``/kv``: one self-contained HTML page (no external scripts, styles or fonts): KV bytes
+* ``/kv``: one HTML page (no external scripts, styles or fonts): live Bokeh plots of
+  workflows per minute, TTFT p50/p95, hit rate, batch size and KV bytes per worker; KV bytes
   per worker against the budget; the running counters (tokens reused vs computed, reuse
   ratio, bytes transferred, transfers vs recomputes, evictions); the lineage of the states
   (materialize -> fork -> transfer -> resume -> evict) as an SVG graph, ``?state=ID``
@@ -11,7 +12,9 @@ server (the one serving Dask's dashboard and ``/metrics``):
   token ranges, refcounts, lifecycle status and worker; the cost model's recent decisions
   with their numbers; recent lifecycle events. A few lines of script refresh it every
   ``daskflow-kv.dashboard.refresh`` (2 s by default). Its markup is in ``templates/``.
-* ``/kv/api.json``: the same data as JSON (``?html=1`` adds the page's rendered sections).
+* ``/kv/api.json``: the same data as JSON (``?html=1`` adds the page's rendered sections and
+  the live plots' columns).
+* ``/kv/static/...``: BokehJS from the installed bokeh, for the live plots (``plots``).
 * ``/kv/catalog.arrow`` (Arrow IPC stream) and ``/kv/catalog.parquet``: the catalog table.
 * ``/kv/login``, ``/kv/login/challenge``, ``/kv/logout``: a browser's login as a tenant
   (``login``).
@@ -42,14 +45,15 @@ import json
 import logging
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from tornado import web
 from tornado.routing import PathMatches
 
-from . import access
+from . import access, plots
 from . import metrics as kv_metrics
 from .data import collect
 from .login import KVChallengeHandler, KVLoginHandler, KVLogoutHandler
 from .metrics import kv_plugin, read_catalog
-from .render import PAGE, render_page, render_sections
+from .render import PAGE, plot_columns, render_page, render_sections
 from .request import KVHandler, nav
 from .session import Logins
 
@@ -70,6 +74,7 @@ class KVApiHandler(KVHandler):
         d = collect(self.server, self.get_argument("state", None) or None, self.viewer())
         if self.get_argument("html", None):
             d["html"] = render_sections(d)
+            d["plots"] = plot_columns(d)
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps(d, default=str))
 
@@ -187,6 +192,8 @@ class KVDashboardPlugin(SchedulerPlugin):
             (rf"{prefix}{PAGE}/login/challenge", KVChallengeHandler, kw),
             (rf"{prefix}{PAGE}/logout", KVLogoutHandler, kw),
         ]
+        if plots.available():  # BokehJS for the live plots, from the installed bokeh (no CDN)
+            routes.append((rf"{prefix}{plots.STATIC_ROUTE}/(.*)", web.StaticFileHandler, {"path": plots.static_path()}))
         if self.metrics and kv_metrics.install(scheduler):
             handler = kv_metrics.prometheus_handler_class()
             if handler is not None:  # Dask's /metrics, telling our collector which scheduler it serves

@@ -3,8 +3,10 @@
 ``kv.html`` is the page; each section is its own template (``kv_cards.html``,
 ``kv_workers.html``, ``kv_lineage.html``, ``kv_states.html``, ``kv_decisions.html``,
 ``kv_events.html``), included by the page and rendered alone for ``/kv/api.json?html=1``,
-which the page's script polls to refresh them in place. ``kv.css`` and ``kv.js`` are inlined:
-the page is self-contained (no external scripts, styles or fonts: clusters are often offline).
+which the page's script polls to refresh them in place, with the live plots' columns
+(``plots``). ``kv.css`` and ``kv.js`` are inlined; the one other script, BokehJS for the
+plots, comes from the same server (no external scripts, styles or fonts: clusters are often
+offline).
 ``kv_login.html`` (with ``kv_login.js``) is the login form of ``/kv/login``.
 
 The environment is built like ``dask.widgets``' (a loader over the package's template
@@ -20,7 +22,7 @@ import jinja2
 
 from daskflow_kv import config
 
-from . import view
+from . import plots, view
 from .format import fmt_bytes, fmt_clock, fmt_int, fmt_s, fmt_time
 
 PAGE = "kv"  # route of the page, under the dashboard's prefix
@@ -64,9 +66,18 @@ def render_sections(d: dict) -> dict[str, str]:
 def render_page(d: dict, prefix: str = "/", nav: list[tuple[str, str]] | None = None) -> str:
     """The whole page: Dask's navigation bar, the sections, and the script refreshing them."""
     ctx = view.page(d, prefix, nav or [], PAGE, refresh_seconds())
+    ctx.update(plots_item=None, bokeh_js=None)
     if ctx["available"]:
         ctx.update(view.sections(d))
+        if d.get("timeline") is not None and plots.available():
+            ctx.update(plots_item=plots.layout_item(d["timeline"], d.get("worker_names", {})),
+                       bokeh_js=plots.script_url(prefix))
     return environment().get_template("kv.html").render(ctx)
+
+
+def plot_columns(d: dict) -> dict:
+    """The live plots' source columns for the page's script (none while the plugin is not loaded)."""
+    return plots.columns(d["timeline"], d.get("worker_names", {})) if d.get("timeline") is not None else {}
 
 
 def render_login(ctx: dict) -> str:

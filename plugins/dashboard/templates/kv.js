@@ -18,6 +18,22 @@
     toggled[id] = btn.getAttribute('aria-expanded') !== 'true';
     show(id, toggled[id]);
   });
+  // The live plots (plots.py): embedded once, then each poll replaces their sources' columns.
+  var item = document.getElementById('kv-plots-item');
+  if (item && window.Bokeh) Bokeh.embed.embed_item(JSON.parse(item.textContent), 'kv-plots');
+  function nans(v){ return Array.isArray(v) ? v.map(nans) : (v === null ? NaN : v); }
+  function plot(columns){
+    if (!window.Bokeh || !columns) return;
+    Bokeh.documents.forEach(function(doc){
+      Object.keys(columns).forEach(function(name){
+        var source = doc.get_model_by_name(name);
+        if (!source) return;
+        var data = {};
+        Object.keys(columns[name]).forEach(function(k){ data[k] = nans(columns[name][k]); });
+        source.data = data;
+      });
+    });
+  }
   function tick(){
     var url = api + '?html=1' + (focus ? '&state=' + encodeURIComponent(focus) : '');
     fetch(url, {cache: 'no-store'}).then(function(r){ return r.json(); }).then(function(d){
@@ -26,6 +42,7 @@
         if (el && el.getAttribute('data-html') !== d.html[k]) { el.innerHTML = d.html[k]; el.setAttribute('data-html', d.html[k]); }
       });
       Object.keys(toggled).forEach(function(id){ show(id, toggled[id]); });
+      plot(d.plots);
       dot.className = 'live'; stamp.textContent = new Date(d.time * 1000).toLocaleTimeString();
     }).catch(function(){ dot.className = 'live stale'; });
   }
