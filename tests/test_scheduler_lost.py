@@ -25,3 +25,33 @@ def test_a_call_after_the_scheduler_died_names_it_and_does_not_hang():
                 rt.counters()
             assert time.time() - t0 < 30
             client.close(timeout=5)
+
+
+def test_the_scheduler_killed_mid_stream_fails_fast_and_a_new_cluster_resumes_from_the_store(tmp_path):
+    """The scenario of benchmarks/scheduler_lost.py, short: the scheduler's process SIGKILLed after
+    one workflow; the tiny model prefills faster than a store load, so a slow prefill is stated
+    (the runtime's what-if knob, as in test_runtime_store) for the store to be worth reading."""
+    from daskflow_kv.bench.scheduler_lost import run_scheduler_lost
+    from daskflow_kv.policy.cost_model import PrefillProfile
+
+    def slow_prefill(rt):
+        rt.prefill_override = PrefillProfile.from_rate(20.0)
+
+    out = run_scheduler_lost(str(tmp_path / "kv"), workflows=4, context=160, max_new=4, kill_after_done=1,
+                             runtime_setup=slow_prefill, log=lambda *a: None)
+    failures = [*out["in_flight_at_kill"], *out["next_calls"].values()]
+    assert failures and all(f["error"] == "SchedulerLost" and f["names_scheduler"] for f in failures), failures
+    assert out["failures_within_30s"] and not out["hung"]
+    assert out["lost"] == 0 and out["wrong"] == 0
+    assert out["context_tokens_stored_before"] > 0 and out["context_tokens_from_store"] > 0
+    assert out["stored_tokens_prefilled_again"] == 0, out["resumed_contexts"]
+
+
+def test_the_stored_prefix_is_whole_blocks_or_a_whole_stored_context():
+    from daskflow_kv.bench.scheduler_lost import stored_prefix
+
+    ctx = list(range(40))
+    assert stored_prefix(ctx, [], 16) == 0
+    assert stored_prefix(ctx, [list(range(35)) + [-1]], 16) == 32  # diverges at 35: two whole blocks
+    assert stored_prefix(ctx, [list(range(40))], 16) == 40  # the same context, partial block included
+    assert stored_prefix(ctx, [list(range(45))], 16) == 32  # a longer one: its block 2 is not ctx's

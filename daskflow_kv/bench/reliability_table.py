@@ -23,7 +23,7 @@ SCENARIOS = {
     "chaos during a stream": ("chaos.json", "benchmarks/chaos.py"),
     "soak (>= 30 min)": ("soak.json", None),
     "a client lost": ("client_lost.json", "benchmarks/client_lost.py"),
-    "the scheduler lost": ("scheduler_lost.json", None),
+    "the scheduler lost": ("scheduler_lost.json", "benchmarks/scheduler_lost.py"),
     "memory pressure": ("memory_pressure.json", None),
 }
 
@@ -52,6 +52,20 @@ def _client_lost_row(d: dict) -> list[str]:
             else "victim NOT cleaned up"]
 
 
+def _scheduler_lost_row(d: dict) -> list[str]:
+    failures = [*d["in_flight_at_kill"], *d["next_calls"].values()]
+    slowest = max((f["after_kill_s"] for f in failures), default=0.0)
+    named = sum(1 for f in failures if f.get("names_scheduler"))
+    return [f"1 client streaming {d['workflows']} workflows over {d['docs']} documents "
+            f"({d['context']} tokens), {d['workers']} workers, {d['model']}, a persistent store",
+            f"the scheduler's process SIGKILLed after {d['finished_before_kill']} workflows; a new cluster "
+            f"over the same store resumes",
+            f"{d['lost']} / {d['wrong']} / {int(d['hung'])} of {d['workflows']}",
+            f"{d['stored_tokens_prefilled_again']} stored context tokens prefilled again "
+            f"({d['context_tokens_from_store']} read from the store)",
+            f"{len(failures)} calls failed within {slowest:.2f} s of the kill, {named} naming the scheduler"]
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     lines = ["| scenario | load held | faults injected | lost / wrong / hung | KV recomputed | latency | source |",
              "|---|---|---|---|---|---|---|"]
@@ -61,7 +75,8 @@ def render(results: Path = RESULTS_DIR) -> str:
             lines.append(f"| {name} | not run | | | | | |")
             continue
         d = json.loads(path.read_text())
-        rows = {"chaos.json": _chaos_row, "client_lost.json": _client_lost_row}
+        rows = {"chaos.json": _chaos_row, "client_lost.json": _client_lost_row,
+                "scheduler_lost.json": _scheduler_lost_row}
         cells = rows[file](d) if file in rows else ["see JSON"] * 5
         lines.append(f"| {name} | " + " | ".join(cells) + f" | `{d.get('command', script)}` → `{file}` |")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from distributed import Client
+from distributed.client import FutureCancelledError
 from distributed.comm.core import CommClosedError
 
 from ..errors import SchedulerLost
@@ -21,6 +22,26 @@ from ..errors import SchedulerLost
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
 from .session import KVSession, login
+
+
+LOST_REASON = "scheduler-connection-lost"  # Dask's reason on the futures it cancels when the scheduler is lost
+
+
+def scheduler_lost(client: Client, cause: str) -> SchedulerLost:
+    address = getattr(client.scheduler, "address", None) or "?"
+    return SchedulerLost(f"the scheduler at {address} is gone ({cause}); start a new cluster "
+                         "(KV in a persistent store is read back, not prefilled)")
+
+
+def gather(client: Client, futures: list):
+    """``client.gather``, where futures Dask cancelled because it lost the scheduler are
+    ``SchedulerLost`` naming it (Dask's own error names neither the scheduler nor the cause)."""
+    try:
+        return client.gather(futures)
+    except FutureCancelledError as e:
+        if e.reason != LOST_REASON:
+            raise
+        raise scheduler_lost(client, "the client lost its connection; Dask cancelled the work in flight") from e
 
 
 @dataclass(slots=True, eq=False)
@@ -34,16 +55,17 @@ class PluginClient:
 
     def call(self, name: str, **kwargs):
         """One ``kv_*`` RPC for this session; every method below goes through here. A scheduler
-        that is gone is ``SchedulerLost``, naming it, once Dask gives up connecting
-        (``distributed.comm.timeouts.connect``), not a bare comm error."""
+        that is gone is ``SchedulerLost``, naming it, not a bare comm error: at once when the
+        client already lost its connection (Dask cancelled every future then, so this runtime's
+        states are gone with it), else once Dask gives up connecting."""
+        if self.client.status == "connecting":
+            raise scheduler_lost(self.client, "the client lost its connection and is reconnecting")
         try:
             return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
         except (CommClosedError, OSError) as e:
             if isinstance(e, PermissionError):  # the plugin refused (AccessDenied): an answer, not a loss
                 raise
-            address = getattr(self.client.scheduler, "address", None) or "?"
-            raise SchedulerLost(f"the scheduler at {address} is gone ({type(e).__name__}: {e}); "
-                                "start a new cluster (KV in a persistent store is read back, not prefilled)") from e
+            raise scheduler_lost(self.client, f"{type(e).__name__}: {e}") from e
 
     # -- blocks --------------------------------------------------------------------------------
     def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:

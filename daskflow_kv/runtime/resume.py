@@ -26,6 +26,7 @@ from .handles import DistGeneration, DistKVState
 from .inputs import PrefixInputs, Replicas
 from .kv_persistence import PersistentTier
 from .planner import Planner, predict_seconds
+from .plugin_client import gather
 from .prefix_cache import PrefixCache
 from .publish import NewBlocks, Publisher, blocks_of
 from .registry import NewState, StateRegistry
@@ -70,7 +71,7 @@ class Resumer:
             wanted.append((idxs, self._submit(idxs, branches, reqs, outputs, replicas, view, max_new_tokens)))
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
         results: list = [None] * len(branches)
-        for (idxs, _), got in zip(wanted, self.submitter.client.gather([f for _, f in wanted])):
+        for (idxs, _), got in zip(wanted, gather(self.submitter.client, [f for _, f in wanted])):
             for i, res in zip(idxs, got if isinstance(got, list) else [got]):
                 results[i] = res
         return self._continue(states, prompts, branches, outputs, results, sids)
