@@ -60,6 +60,10 @@ class LeaseBook:
     def is_leased(self, key, now: float) -> bool:
         return self._until.get(key, 0.0) > now
 
+    def held(self) -> int:
+        """Leases and announced reuses not yet expired or forgotten (what the periodic check bounds)."""
+        return len(self._until) + len(self._planned)
+
     def plan(self, keys, now: float) -> None:
         """A later step will read ``keys``: evict them last for ``reuse_hint`` seconds."""
         for k in keys:

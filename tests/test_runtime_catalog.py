@@ -70,3 +70,17 @@ def test_lookups_see_only_their_namespace():
     assert _lookup(cat, tokens).tokens == 12  # an admin (no namespace filter)
     assert {r["namespace"] for r in cat.rows({}, {}, set(), "alice")} == {"alice"}
     assert cat.rows({}, {}, set(), "bob") == []
+
+
+def test_released_history_is_bounded_while_a_shared_context_stays_cached(monkeypatch):
+    import daskflow_kv.state.catalog as catalog
+
+    monkeypatch.setattr(catalog, "MAX_RELEASED_STATES", 3)
+    cat = KVCatalog()
+    keys = _publish(cat, list(range(8)), state_id="doc")  # the shared context, cached throughout
+    for i in range(6):  # a workflow's state over it, released when the workflow ends
+        cat.add_state({"state_id": f"wf{i}", "block_keys": keys, "op": "fork", "parents": ["doc"], "tokens": 8})
+        cat.release_state(f"wf{i}")
+    assert cat.prune() == 3
+    assert list(cat.states) == ["doc", "wf3", "wf4", "wf5"]  # the live one and the newest history
+    assert all(k in cat.blocks for k in keys)

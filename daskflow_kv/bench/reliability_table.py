@@ -21,7 +21,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 # scenario -> (its JSON in benchmarks/results, what it is)
 SCENARIOS = {
     "chaos during a stream": ("chaos.json", "benchmarks/chaos.py"),
-    "soak (>= 30 min)": ("soak.json", None),
+    "soak": ("soak.json", "benchmarks/soak.py"),
     "a client lost": ("client_lost.json", "benchmarks/client_lost.py"),
     "the scheduler lost": ("scheduler_lost.json", "benchmarks/scheduler_lost.py"),
     "memory pressure": ("memory_pressure.json", None),
@@ -52,6 +52,22 @@ def _client_lost_row(d: dict) -> list[str]:
             else "victim NOT cleaned up"]
 
 
+def _soak_row(d: dict) -> list[str]:
+    cfg, g = d["config"], d["growth_after_warmup"]
+    grown = {k: v for k, v in g.items() if v is not None and k != "timeline_workflows"}
+    worst = max(grown, key=grown.get) if grown else None
+    left = d["keys_left_after_clients_closed"]
+    return [f"2 clients x {cfg['concurrency']} in flight for {d['wall_s'] / 60:.0f} min: {d['workflows']} workflows "
+            f"({d['workflows_per_min']:.0f}/min), KV budget {d['kv_budget_bytes'] / 2**10:.0f} KiB per worker "
+            f"({d['evictions']} evictions), a persistent store, {d['workers']} workers, {d['model']}",
+            "none (load only)",
+            f"{d['lost']} / {d['wrong']} / {d['hung_threads']} of {d['workflows']}",
+            "-",
+            (f"largest growth after {cfg['warmup_minutes']:g} min warm-up: {worst} {grown[worst]:+.1%}; "
+             if worst else "") + f"after the clients closed: {left['wanted_by_no_one']} KV keys wanted by no one, "
+            f"{left['cache']} kept by the cache"]
+
+
 def _scheduler_lost_row(d: dict) -> list[str]:
     failures = [*d["in_flight_at_kill"], *d["next_calls"].values()]
     slowest = max((f["after_kill_s"] for f in failures), default=0.0)
@@ -76,7 +92,7 @@ def render(results: Path = RESULTS_DIR) -> str:
             continue
         d = json.loads(path.read_text())
         rows = {"chaos.json": _chaos_row, "client_lost.json": _client_lost_row,
-                "scheduler_lost.json": _scheduler_lost_row}
+                "scheduler_lost.json": _scheduler_lost_row, "soak.json": _soak_row}
         cells = rows[file](d) if file in rows else ["see JSON"] * 5
         lines.append(f"| {name} | " + " | ".join(cells) + f" | `{d.get('command', script)}` → `{file}` |")
     return "\n".join(lines)

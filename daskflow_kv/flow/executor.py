@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,8 @@ from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
 
-MAX_PREEMPTIONS = 8  # a level preempted this often gives up with the budget's error
+MAX_PREEMPTIONS = 30  # a level preempted this often gives up with the budget's error
+BACKOFF_S = (0.1, 5.0)  # first and longest wait before a preempted level is redone (doubling, jittered)
 
 _RUNTIME_POLICY = {"auto": "auto", "fork": "auto", "evict": "auto", "alias": "pin", "pin": "pin",
                    "transfer": "transfer", "recompute": "recompute"}
@@ -165,8 +167,14 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
             except KVPreempted:  # the budget's deadlock breaker chose this workflow: back off, redo the level
                 if attempt + 1 >= MAX_PREEMPTIONS:
                     raise
-                preemptions += 1
-                time.sleep(min(2.0, 0.1 * 2 ** attempt))
+            preemptions += 1
+            # Hold nothing while backing off (outside the handler: the error and its frames are
+            # gone): the continuations kept for later levels go to the cache too, evicted last;
+            # what is evicted meanwhile is prefilled again.
+            for st in states.values():
+                rt.release(st, reuse_expected=True)
+            states.clear()
+            time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt) * random.uniform(0.5, 1.0))
         prefills += made
         for name, branch, gen, planned_at in done:
             m = _metrics(gen)

@@ -10,6 +10,7 @@ lookup answers a ``PrefixMatch``, a snapshot a ``ClusterView``. No other module 
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,12 @@ def gather(client: Client, futures: list):
     ``SchedulerLost`` naming it (Dask's own error names neither the scheduler nor the cause)."""
     try:
         return client.gather(futures)
-    except FutureCancelledError as e:
-        if e.reason != LOST_REASON:
+    except BaseException as e:
+        # Dask's sync frames keep the error they re-raise: a reference cycle through every frame
+        # of the traceback, whose futures would stay wanted (their blocks pinned against the KV
+        # budget) until the garbage collector's next full pass. Those frames are done: clear them.
+        traceback.clear_frames(e.__traceback__)
+        if not (isinstance(e, FutureCancelledError) and e.reason == LOST_REASON):
             raise
         raise scheduler_lost(client, "the client lost its connection; Dask cancelled the work in flight") from e
 

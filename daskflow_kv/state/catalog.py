@@ -50,6 +50,7 @@ COUNTERS = (
 BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
 TIERS = ("memory", "spilled", "store", "")
 MAX_STORE_ONLY = 4096  # persisted blocks Dask forgot that the catalog keeps listing (newest used)
+MAX_RELEASED_STATES = 2048  # released states kept as history (lineage) while their blocks are cached
 MAX_EVICTED = 65536  # evicted block keys remembered, newest kept, to count an eviction regretted
 
 
@@ -232,7 +233,9 @@ class KVCatalog:
                 and not self.live_holders.get(k)]
 
     def prune(self) -> int:
-        """Drop released states whose blocks are all gone (history nobody can query), and the
+        """Drop released states whose blocks are all gone (history nobody can query), the oldest
+        released states past ``MAX_RELEASED_STATES`` (a shared context stays cached across
+        workflows, so history listing it would otherwise grow with every workflow), and the
         least recently used store-only blocks past ``MAX_STORE_ONLY``. -> states dropped."""
         extra = self.store_only()
         if len(extra) > MAX_STORE_ONLY:
@@ -243,7 +246,10 @@ class KVCatalog:
                 if st.status == "released" and not any(k in self.blocks for k in st.block_keys)]
         for sid in gone:
             del self.states[sid]
-        return len(gone)
+        released = [sid for sid, st in self.states.items() if st.status == "released"]  # oldest first
+        for sid in released[: max(0, len(released) - MAX_RELEASED_STATES)]:
+            del self.states[sid]
+        return len(gone) + max(0, len(released) - MAX_RELEASED_STATES)
 
     def count(self, name: str, value: float = 1, namespace: str | None = None) -> None:
         """Add to ``namespace``'s counter (None: the cluster's own, e.g. from an unattributed report)."""

@@ -148,6 +148,11 @@ def persist_blocks(reqs: list[WriteRequest], *blocks: torch.Tensor) -> int:
     return len(reqs)
 
 
+def pending_writes() -> int:
+    """This process's queued and running store writes."""
+    return _WRITER.pending() if _WRITER is not None else 0
+
+
 def drain(timeout: float | None = None) -> int:
     """Wait for this process's pending writes (``client.run(drain)``); how many are left."""
     return writer().drain(timeout) if _WRITER is not None else 0

@@ -1,0 +1,50 @@
+"""A soak: two clients stream workflows for half an hour under a KV budget that forces evictions.
+
+Every run must agree with its text replay, none lost or hung; scheduler, worker and client
+memory, catalog, buffers, sessions, leases and store writes in flight must level off after
+warm-up (at most +10 % to the end); once the clients close, no KV key may be left that
+nothing retains on purpose. See ``daskflow_kv/bench/soak.py``.
+
+    python benchmarks/soak.py                 # 30 minutes, tiny model, 2 workers
+    python benchmarks/soak.py --minutes 5     # a shorter one
+
+Writes benchmarks/results/soak.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from daskflow_kv.bench.common import RESULTS_DIR, command_line, log, machine_info, write_json
+from daskflow_kv.bench.soak import GROWTH_LIMIT, SoakConfig, run_soak
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--concurrency", type=int, default=3, help="workflows in flight per client")
+    ap.add_argument("--warmup-minutes", type=float, default=5.0)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
+    args = ap.parse_args(argv)
+
+    from daskflow_kv.runtime.cluster import local_cluster
+
+    cfg = SoakConfig(minutes=args.minutes, concurrency=args.concurrency, warmup_minutes=args.warmup_minutes)
+    with tempfile.TemporaryDirectory(prefix="kv-store-") as store, \
+            local_cluster(2, 1, dashboard_address=None) as cluster:
+        out = run_soak(cluster, cfg, store, log=log)
+    write_json(args.out, {"command": command_line(), "machine": machine_info(), **out})
+    worst = max(((k, v) for k, v in out["growth_after_warmup"].items() if v is not None), key=lambda kv: kv[1],
+                default=("-", 0.0))
+    log(f"wrote {args.out}: {out['completed']}/{out['workflows']} workflows exact in {out['wall_s'] / 60:.1f} min, "
+        f"{out['lost']} lost; largest growth after warm-up {worst[0]} {worst[1]:+.1%} (limit {GROWTH_LIMIT:+.0%}); "
+        f"keys left {out['keys_left_after_clients_closed']}")
+    ok = out["completed"] == out["workflows"] and not out["wrong"] and out["growth_ok"] \
+        and not out["keys_left_after_clients_closed"]["wanted_by_no_one"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""A soak: two clients stream workflows for half an hour under a KV budget that forces evictions.
+
+One LocalCluster (workers under nannies), a persistent store written through, a per-worker
+KV budget of part of the documents' working set (never less than one workflow's KV). Each
+client (its own ``Client`` and ``KVRuntime``) keeps ``concurrency`` workflows in flight,
+drawn from a pool of distinct RAG and debate workflows over shared documents
+(``load_stream.build``), until ``minutes`` have passed. Each pool workflow is replayed in
+text mode once, first: every run of it must give those tokens.
+
+Every ``sample_every`` seconds the scenario reads what could grow without bound: scheduler,
+worker and client RSS, the scheduler's tasks, the plugin's catalog (blocks, states), event
+and decision buffers, sessions, leases and planned reuse, finished-workflow records, and
+the workers' store writes in flight. Growth (``growth``) compares the stream's end with the
+end of ``warmup_minutes`` (the target: at most +10 %). When the clients have closed, the KV keys
+left in the scheduler must be the cache's (retained on purpose), none wanted by no one.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from .chaos import _run, _tokens
+from .load_stream import Arrival, build, doc_sequence, documents
+
+GROWTH_LIMIT = 0.10  # +10 % from the end of warm-up to the end
+GAUGES = ("scheduler_rss", "workers_rss", "client_rss", "tasks", "catalog_blocks", "catalog_states", "events",
+          "decisions", "sessions", "leases", "timeline_workflows", "store_writes_in_flight")
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    minutes: float = 30.0
+    clients: int = 2
+    concurrency: int = 3  # workflows in flight per client
+    docs: int = 4
+    context: int = 160  # tokens per shared document
+    max_new: int = 8
+    pool: int = 40  # distinct workflows, drawn again and again
+    budget_fraction: float = 0.5  # of the documents' KV working set, per worker
+    sample_every: float = 30.0
+    warmup_minutes: float = 5.0
+    seed: int = 11
+
+
+def _scheduler_gauges(dask_scheduler) -> dict:
+    import psutil
+
+    from daskflow_kv.keys import PLUGIN_NAME
+
+    p = dask_scheduler.plugins[PLUGIN_NAME]
+    return {"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
+            "catalog_blocks": len(p.catalog.blocks), "catalog_states": len(p.catalog.states),
+            "events": len(p.event_log.events()), "decisions": len(p.event_log.decisions()),
+            "sessions": len(p.tenants), "leases": p.leases.held(), "timeline_workflows": p.timeline.recorded()}
+
+
+def _worker_gauges() -> dict:
+    import psutil
+
+    from daskflow_kv.store import worker_io
+
+    return {"rss": psutil.Process().memory_info().rss, "writes": worker_io.pending_writes()}
+
+
+def gauges(client) -> dict:
+    import psutil
+
+    g = client.run_on_scheduler(_scheduler_gauges)
+    workers = client.run(_worker_gauges)
+    g["workers_rss"] = sum(w["rss"] for w in workers.values())
+    g["store_writes_in_flight"] = sum(w["writes"] for w in workers.values())
+    g["client_rss"] = psutil.Process().memory_info().rss  # the clients run in this process
+    return g
+
+
+def growth(samples: list[dict], warmup_s: float, n: int = 3) -> dict:
+    """Each gauge's growth from the end of warm-up to the end of the stream: the mean of the last
+    ``n`` samples against the mean of the first ``n`` at or after ``warmup_s`` (means, since
+    sessions, leases and tasks in flight come and go with each workflow). None where both are
+    0; the end itself where only the base is 0."""
+    after = [s for s in samples if s["at_s"] >= warmup_s]
+    if len(after) < 2:
+        return {}
+    k = min(n, len(after) // 2)
+    out = {}
+    for g in GAUGES:
+        b = sum(s.get(g, 0) for s in after[:k]) / k
+        e = sum(s.get(g, 0) for s in after[-k:]) / k
+        out[g] = (e - b) / b if b else (None if e == 0 else float(e))
+    return out
+
+
+def _left_keys(dask_scheduler) -> dict:
+    """KV keys still in the scheduler: the cache's (retained on purpose) and any other's."""
+    from daskflow_kv.keys import CACHE_CLIENT, is_block
+
+    cache, other, unwanted = 0, 0, 0
+    for k, ts in dask_scheduler.tasks.items():
+        if not is_block(k) or ts.state != "memory":
+            continue
+        wanted = {c.client_key for c in ts.who_wants or ()}
+        if wanted == {CACHE_CLIENT}:
+            cache += 1
+        elif wanted:
+            other += 1
+        else:
+            unwanted += 1
+    return {"cache": cache, "wanted_by_others": other, "wanted_by_no_one": unwanted}
+
+
+def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> dict:
+    from distributed import Client
+
+    from ..runtime.kv_runtime import KVRuntime
+
+    clients = [Client(cluster) for _ in range(cfg.clients)]
+    runtimes = [KVRuntime(c, "tiny-llama", block_size=16, kv_store=store) for c in clients]
+    rng = random.Random(cfg.seed)
+    rt = runtimes[0]
+    texts = documents(rt.tokenizer, cfg.docs, cfg.context)
+    docs = doc_sequence(cfg.pool, cfg.docs, "zipf", seed=cfg.seed)
+    salt = f"soak-{rng.randrange(1 << 30)}"
+    pool = [build(Arrival(i, 0.0, 0, docs[i]), texts[docs[i]], salt, cfg.max_new) for i in range(cfg.pool)]
+    log(f"soak: text replay of the {cfg.pool} pool workflows (the reference)")
+    ref = [_tokens(_run(rt, wf, "text")) for wf in pool]
+    one = max(sum(len(t) for t in r.values()) for r in ref) + 4 * cfg.context  # one workflow's KV, generously
+    budget = max(int(cfg.budget_fraction * cfg.docs * cfg.context * rt.facts.bytes_per_token),
+                 one * rt.facts.bytes_per_token)
+    rt.configure(kv_budget_bytes=budget)
+    counters_before = rt.counters()["counters"]
+
+    records: list[dict] = []
+    lock = threading.Lock()
+    t0 = time.time()
+    deadline = t0 + cfg.minutes * 60
+
+    def drain(c: int, j: int) -> None:
+        r = random.Random(cfg.seed * 1000 + c * 100 + j)
+        while time.time() < deadline:
+            i = r.randrange(cfg.pool)
+            start = time.time()
+            try:
+                agree = _tokens(_run(runtimes[c], pool[i], "state")) == ref[i]
+                rec = {"pool": i, "client": c, "latency_s": time.time() - start, "agree": agree}
+            except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
+                rec = {"pool": i, "client": c, "latency_s": time.time() - start,
+                       "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            with lock:
+                records.append(rec)
+
+    threads = [threading.Thread(target=drain, args=(c, j), daemon=True, name=f"soak-{c}-{j}")
+               for c in range(cfg.clients) for j in range(cfg.concurrency)]
+    log(f"soak: {cfg.clients} clients x {cfg.concurrency} in flight for {cfg.minutes:g} min, "
+        f"budget {budget / 2**20:.1f} MiB per worker")
+    for th in threads:
+        th.start()
+    samples = []
+    while any(th.is_alive() for th in threads):
+        g = gauges(clients[0])
+        with lock:
+            g.update(at_s=time.time() - t0, workflows=len(records))
+        samples.append(g)
+        log(f"soak: {g['at_s'] / 60:5.1f} min, {g['workflows']} workflows, scheduler RSS "
+            f"{g['scheduler_rss'] / 2**20:.0f} MiB, catalog {g['catalog_blocks']} blocks")
+        end = time.time() + cfg.sample_every
+        while time.time() < end and any(th.is_alive() for th in threads):
+            time.sleep(0.5)
+    for th in threads:
+        th.join(timeout=300)
+    hung = sum(1 for th in threads if th.is_alive())
+    counters = rt.counters()["counters"]
+    rt.configure(unset_budget=True)
+    wall = time.time() - t0
+    for c in clients[1:]:
+        c.close()
+    # The last client gone: its states are released; what stays is the cache's.
+    observer = Client(cluster)
+    clients[0].close()
+    time.sleep(2.0)
+    left = observer.run_on_scheduler(_left_keys)
+    sessions_left = observer.run_on_scheduler(lambda dask_scheduler: len(
+        dask_scheduler.plugins["daskflow-kv"].tenants))
+    observer.close()
+    ok = [r for r in records if "error" not in r]
+    g = growth(samples, cfg.warmup_minutes * 60)
+    return {
+        "config": asdict(cfg), "model": "tiny-llama", "workers": len(cluster.workers), "store": store is not None,
+        "kv_budget_bytes": budget, "wall_s": wall, "workflows": len(records), "completed": len(ok),
+        "wrong": sum(1 for r in ok if not r["agree"]), "lost": len(records) - len(ok), "hung_threads": hung,
+        "errors": sorted({r["error"] for r in records if "error" in r})[:10],
+        "workflows_per_min": len(ok) / (wall / 60),
+        "evictions": counters.get("evictions", 0) - counters_before.get("evictions", 0),
+        "growth_after_warmup": g,
+        "growth_ok": all(v is None or v <= GROWTH_LIMIT for k, v in g.items()
+                         if k not in ("timeline_workflows",)),  # a bounded ring fills by design
+        "keys_left_after_clients_closed": left, "sessions_left": sessions_left,  # the observer has no KV session
+        "samples": samples,
+    }

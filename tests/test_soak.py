@@ -1,0 +1,25 @@
+"""The soak of benchmarks/soak.py, short: two clients stream workflows under a KV budget that
+forces evictions, with a persistent store; every run agrees with its text replay, none is lost,
+and once the clients close no KV key is left that nothing retains on purpose."""
+
+from daskflow_kv.bench.soak import SoakConfig, growth, run_soak
+from daskflow_kv.runtime.cluster import local_cluster
+
+
+def test_a_short_soak_loses_nothing_and_leaves_only_the_cache(tmp_path):
+    cfg = SoakConfig(minutes=0.25, concurrency=2, pool=4, sample_every=3.0, warmup_minutes=0.05)
+    with local_cluster(2, 1, dashboard_address=None) as cluster:
+        out = run_soak(cluster, cfg, str(tmp_path / "kv"), log=lambda *a: None)
+    assert out["workflows"] >= 4 and out["completed"] == out["workflows"], out["errors"]
+    assert out["wrong"] == 0 and out["hung_threads"] == 0
+    assert out["evictions"] > 0  # the budget bound
+    assert out["keys_left_after_clients_closed"]["wanted_by_no_one"] == 0
+    assert out["keys_left_after_clients_closed"]["wanted_by_others"] == 0
+    assert out["sessions_left"] == 0
+
+
+def test_growth_compares_the_streams_end_with_the_end_of_warm_up():
+    samples = [{"at_s": t, "scheduler_rss": rss, "leases": n} for t, rss, n in
+               [(0, 50, 0), (10, 100, 2), (20, 100, 4), (30, 104, 3), (40, 110, 3), (50, 110, 0)]]
+    g = growth(samples, warmup_s=10, n=2)  # (100+100)/2 -> (110+110)/2; leases 3 -> 1.5
+    assert abs(g["scheduler_rss"] - 0.10) < 1e-9 and g["leases"] == -0.5 and g["tasks"] is None
