@@ -24,7 +24,7 @@ SCENARIOS = {
     "soak": ("soak.json", "benchmarks/soak.py"),
     "a client lost": ("client_lost.json", "benchmarks/client_lost.py"),
     "the scheduler lost": ("scheduler_lost.json", "benchmarks/scheduler_lost.py"),
-    "memory pressure": ("memory_pressure.json", None),
+    "memory pressure": ("memory_pressure.json", "benchmarks/memory_pressure.py"),
 }
 
 
@@ -50,6 +50,17 @@ def _client_lost_row(d: dict) -> list[str]:
             (f"victim cleaned up in {cleaned:.1f} s: sessions {after['sessions']}, live states "
              f"{after['live_states']}, pinned blocks {after['blocks_still_wanted']}") if cleaned is not None
             else "victim NOT cleaned up"]
+
+
+def _memory_pressure_row(d: dict) -> list[str]:
+    return [f"1 client, {d['workflows']} workflows over {d['docs']} documents ({d['context']} tokens), "
+            f"{d['workers']} workers, {d['model']}, no KV budget",
+            f"memory_limit {d['memory_limit'] / 2**20:.0f} MiB per worker: the working set (model + KV) "
+            f"{d['working_set_over_limit']:.2f}x the limit",
+            f"{d['lost']} / {d['wrong']} / {int(d['hung'])} of {d['workflows']}",
+            f"{d['kv_counters'].get('lineage_recomputes', 0)} blocks",
+            f"peak {d['peak_spilled_disk_bytes'] / 2**20:.0f} MiB spilled to disk, {d['pause_episodes']} pauses, "
+            f"peak RSS {d['peak_rss_over_limit']:.2f}x the limit; stream {d['wall_s']:.0f} s"]
 
 
 def _soak_row(d: dict) -> list[str]:
@@ -92,7 +103,8 @@ def render(results: Path = RESULTS_DIR) -> str:
             continue
         d = json.loads(path.read_text())
         rows = {"chaos.json": _chaos_row, "client_lost.json": _client_lost_row,
-                "scheduler_lost.json": _scheduler_lost_row, "soak.json": _soak_row}
+                "scheduler_lost.json": _scheduler_lost_row, "soak.json": _soak_row,
+                "memory_pressure.json": _memory_pressure_row}
         cells = rows[file](d) if file in rows else ["see JSON"] * 5
         lines.append(f"| {name} | " + " | ".join(cells) + f" | `{d.get('command', script)}` → `{file}` |")
     return "\n".join(lines)

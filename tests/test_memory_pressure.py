@@ -1,0 +1,14 @@
+"""The memory-pressure scenario of benchmarks/memory_pressure.py, short: workers whose Dask spill
+threshold sits below the loaded model's own memory, so every KV block goes to disk as soon as
+it is made and is read back when used; no KV budget. Nothing may hang and every workflow
+must give text replay's tokens."""
+
+from daskflow_kv.bench.memory_pressure import run_memory_pressure
+
+
+def test_kv_spilled_to_disk_as_it_is_made_stays_exact_and_nothing_hangs():
+    out = run_memory_pressure(model="tiny-llama", workflows=4, docs=2, context=256,
+                              thresholds={"target": 0.4, "spill": 0.5}, hang_s=240, log=lambda *a: None)
+    assert not out["hung"] and out["completed"] == 4, out["errors"]
+    assert out["wrong"] == 0
+    assert out["peak_spilled_disk_bytes"] > 0  # Dask really spilled KV blocks
