@@ -282,11 +282,12 @@ class ClientHandlers:
         s = self._session(session)
         return self._views.counters_view(None if s.is_admin else s.namespace, public=True)
 
-    def handle_workflow_done(self, session: str, agents: int, wall_s: float, ttft_s: list[float]) -> None:
-        """A runtime finished a workflow: its agents, wall time and each agent's TTFT (seconds),
-        for the KV page's live plots of the caller's namespace."""
+    def handle_workflow_done(self, session: str, agents: int, ttft_s: list[float]) -> None:
+        """A runtime finished a workflow of ``agents`` agents: each one's TTFT (seconds), for the
+        KV page's live plots - of the caller's namespace when tenants are configured (an open
+        cluster is one trust domain, and its namespaces are whatever callers say)."""
         s = self._session(session)
-        self._timeline.workflow_done(time.time(), s.namespace, agents, wall_s, ttft_s)
+        self._timeline.workflow_done(time.time(), None if self._tenants.open else s.namespace, agents, ttft_s)
 
     def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float,
                                 latency: float | None = None) -> None:

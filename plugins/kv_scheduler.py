@@ -79,7 +79,7 @@ from .kv_engines import EngineGauges
 from .kv_reports import WorkerReports
 from .kv_settings import KVSettings
 from .kv_tiers import TierTracker
-from .kv_timeline import KVTimeline, Sample
+from .kv_timeline import KVTimeline
 from .kv_usage import KVUsage
 from .kv_views import KVViews
 from .tenants import TenantRegistry
@@ -217,19 +217,23 @@ class KVSchedulerPlugin(SchedulerPlugin):
         try:
             self.locality.reschedule_orphans(f"kv-tick-{now}")
             self.budget.enforce()
-            if self.timeline.due(now):
-                self.timeline.sample(self._timeline_sample(now))
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv periodic check failed")
+        if self.timeline.due(now):
+            try:
+                self._sample_timeline(now)
+            except Exception:  # the live plots must not stop the budget's checks, nor these them
+                logger.exception("daskflow-kv timeline sample failed")
 
-    def _timeline_sample(self, now: float) -> Sample:
+    def _sample_timeline(self, now: float) -> None:
         kv_bytes = self.usage.bytes_by_worker()
         gauges = {w: self.engines.of(w) for w in kv_bytes}
         reused = self.catalog.counter_by_namespace("tokens_reused")
         computed = self.catalog.counter_by_namespace("tokens_computed")
-        return Sample(now, kv_bytes, {w: g.steps for w, g in gauges.items()},
-                      {w: g.batch_total for w, g in gauges.items()},
-                      {ns: (int(reused.get(ns, 0)), int(computed.get(ns, 0))) for ns in reused.keys() | computed.keys()})
+        self.timeline.sample(now, kv_bytes, {w: g.steps for w, g in gauges.items()},
+                             {w: g.batch_total for w, g in gauges.items()},
+                             {ns: (int(reused.get(ns, 0)), int(computed.get(ns, 0)))
+                              for ns in reused.keys() | computed.keys()})
 
     # -- Dask's hooks, routed to the parts ------------------------------------------------------
     def update_graph(self, scheduler, *, client, keys, tasks, annotations, priority, stimulus_id, **kwargs) -> None:

@@ -27,6 +27,7 @@ ALLOWED = {
     "config": {"errors"},
     "validation": {"errors", "config"},  # level 0: input checks every layer may use
     "dask_internals": set(),  # level 0: every non-public Dask use, one place
+    "stats": set(),  # level 0: order statistics (the bench, the simulator, the KV page's plots)
     "state": {"keys", "errors", "config", "validation"},
     "policy": {"errors", "config", "validation"},
     "transport": {"errors", "config", "keys"},  # tensors on the wire: serializers, sizeof
@@ -34,14 +35,15 @@ ALLOWED = {
     "model": {"state", "policy", "keys", "errors", "config", "validation"},
     "engine": {"model", "state", "policy", "keys", "errors", "config", "validation"},
     # scheduler side torch-free; worker plugins import store/transport in ``setup``, on the worker
-    "plugins": {"state", "policy", "store", "transport", "keys", "errors", "config", "validation", "dask_internals"},
+    "plugins": {"state", "policy", "store", "transport", "keys", "errors", "config", "validation", "dask_internals",
+                "stats"},
     "runtime": {"plugins", "model", "store", "transport", "state", "policy", "keys", "errors", "config", "validation",
                 "dask_internals"},
     "flow": {"runtime", "model", "state", "policy", "keys", "errors", "config", "validation"},
     "workflows": {"flow", "errors", "validation"},
     "bench": {"flow", "runtime", "engine", "plugins", "model", "store", "transport", "state", "policy", "keys",
-              "errors", "config", "workflows", "validation", "dask_internals"},
-    "sim": {"bench", "policy", "errors", "config", "validation"},  # the real policies on modeled workers
+              "errors", "config", "workflows", "validation", "dask_internals", "stats"},
+    "sim": {"bench", "policy", "errors", "config", "validation", "stats"},  # the real policies on modeled workers
     "cli": {"sim", "bench", "workflows", "flow", "runtime", "engine", "plugins", "model", "store", "transport", "state",
             "policy", "keys", "errors", "config", "validation", "dask_internals"},
     "__init__": {"config"},  # registers the settings on import; exports by name, imported lazily
@@ -51,6 +53,7 @@ FORBIDDEN_THIRD_PARTY = {
     "keys": {"torch", "transformers", "dask", "distributed", "numpy"},
     "transport": {"transformers"},
     "validation": {"torch", "transformers", "distributed", "numpy"},
+    "stats": {"torch", "transformers", "dask", "distributed", "numpy"},
     "policy": {"torch", "transformers", "dask", "distributed", "numpy"},
     "state": {"transformers", "dask", "distributed"},
     "model": {"dask", "distributed"},

@@ -84,3 +84,19 @@ def test_released_history_is_bounded_while_a_shared_context_stays_cached(monkeyp
     assert cat.prune() == 3
     assert list(cat.states) == ["doc", "wf3", "wf4", "wf5"]  # the live one and the newest history
     assert all(k in cat.blocks for k in keys)
+
+
+def test_one_namespaces_history_does_not_push_out_anothers(monkeypatch):
+    import daskflow_kv.state.catalog as catalog
+
+    monkeypatch.setattr(catalog, "MAX_RELEASED_STATES", 2)
+    cat = KVCatalog()
+    keys = _publish(cat, list(range(8)), state_id="doc")
+    cat.add_state({"state_id": "quiet", "block_keys": keys, "op": "fork", "parents": ["doc"], "tokens": 8}, "q")
+    cat.release_state("quiet")
+    for i in range(5):
+        cat.add_state({"state_id": f"busy{i}", "block_keys": keys, "op": "fork", "parents": ["doc"], "tokens": 8},
+                      "b")
+        cat.release_state(f"busy{i}")
+    assert cat.prune() == 3
+    assert set(cat.states) == {"doc", "quiet", "busy3", "busy4"}

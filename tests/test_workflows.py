@@ -86,11 +86,11 @@ def test_debate_rounds_prefill_only_new_messages(rt):
 def test_each_state_mode_run_is_reported_for_the_live_plots(rt):
     from daskflow_kv.keys import PLUGIN_NAME
 
-    recorded = lambda: rt.client.run_on_scheduler(  # noqa: E731
-        lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME].timeline.recorded())
-    before = recorded()
+    received = lambda: rt.client.run_on_scheduler(  # noqa: E731
+        lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME].timeline.received())
+    before = received()
     wf = WORKFLOWS["rag"](tokenizer=rt.tokenizer, context_tokens=64, max_new_tokens=2, agents=2)
     run_state_mode(wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size), rt)
-    assert recorded() == before + 1
+    assert received() == before + 1
     run_text_mode(wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size), rt)  # the baseline: not daskflow-kv's
-    assert recorded() == before + 1
+    assert received() == before + 1

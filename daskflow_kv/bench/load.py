@@ -27,6 +27,7 @@ import time
 
 from ..flow.compiler import compile_workflow
 from ..flow.executor import run_state_mode, run_text_mode
+from ..stats import percentile
 from . import local_engine as le
 from . import systems as S
 from .common import Progress, log
@@ -84,14 +85,6 @@ def run_stream(benches: list[S.Bench], system: str, arrivals, docs: list[str], s
             for r, a in zip(records, arrivals)]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    i = q * (len(xs) - 1)
-    lo, hi = math.floor(i), math.ceil(i)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
-
-
 def evidence(records: list[dict]) -> dict:
     """Where the stream's prefill went: by operation, by worker, and doc-level prefills of a
     document already prefilled earlier in the stream (in arrival order of completion)."""
@@ -133,7 +126,7 @@ def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref
         "errors": [r["error"] for r in records if "error" in r], "kv_budget_bytes": budget,
         "offered_per_min": offered, "completed_per_min": per_min,
         "saturated": bool(per_min < SATURATED * offered) if not math.isnan(per_min) else None,
-        "wall_s": span, "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
+        "wall_s": span, "latency_p50_s": percentile(lat, 0.5), "latency_p95_s": percentile(lat, 0.95),
         "latency_mean_s": statistics.fmean(lat) if lat else math.nan,
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else math.nan,
         "shared_prefill_wall_s": None,  # workflows overlap and share contexts: no single start

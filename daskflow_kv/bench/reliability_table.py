@@ -68,7 +68,7 @@ def _soak_row(d: dict) -> list[str]:
     grown = {k: v for k, v in g.items() if v is not None and k != "timeline_workflows"}
     worst = max(grown, key=grown.get) if grown else None
     left = d["keys_left_after_clients_closed"]
-    return [f"2 clients x {cfg['concurrency']} in flight for {d['wall_s'] / 60:.0f} min: {d['workflows']} workflows "
+    return [f"{cfg['clients']} clients x {cfg['concurrency']} in flight for {d['wall_s'] / 60:.0f} min: {d['workflows']} workflows "
             f"({d['workflows_per_min']:.0f}/min), KV budget {d['kv_budget_bytes'] / 2**10:.0f} KiB per worker "
             f"({d['evictions']} evictions), a persistent store, {d['workers']} workers, {d['model']}",
             "none (load only)",

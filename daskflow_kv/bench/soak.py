@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from ..keys import PLUGIN_NAME
 from .chaos import _run, _tokens
 from .load_stream import Arrival, build, doc_sequence, documents
 
@@ -54,7 +55,7 @@ def _scheduler_gauges(dask_scheduler) -> dict:
     return {"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
             "catalog_blocks": len(p.catalog.blocks), "catalog_states": len(p.catalog.states),
             "events": len(p.event_log.events()), "decisions": len(p.event_log.decisions()),
-            "sessions": len(p.tenants), "leases": p.leases.held(), "timeline_workflows": p.timeline.recorded()}
+            "sessions": len(p.tenants), "leases": p.leases.held(), "timeline_workflows": p.timeline.held()}
 
 
 def _worker_gauges() -> dict:
@@ -181,8 +182,7 @@ def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> d
     clients[0].close()
     time.sleep(2.0)
     left = observer.run_on_scheduler(_left_keys)
-    sessions_left = observer.run_on_scheduler(lambda dask_scheduler: len(
-        dask_scheduler.plugins["daskflow-kv"].tenants))
+    sessions_left = observer.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.plugins[PLUGIN_NAME].tenants))
     observer.close()
     ok = [r for r in records if "error" not in r]
     g = growth(samples, cfg.warmup_minutes * 60)

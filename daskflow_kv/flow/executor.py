@@ -24,7 +24,10 @@ from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
 
-MAX_PREEMPTIONS = 30  # a level preempted this often gives up with the budget's error
+# A level preempted this often gives up with the budget's error: about a minute of backing off
+# (the doubling waits reach BACKOFF_S[1] by the sixth), longer than any queue a budget that can
+# hold the workflow should build, short enough that a workflow that never gets in says so.
+MAX_PREEMPTIONS = 30
 BACKOFF_S = (0.1, 5.0)  # first and longest wait before a preempted level is redone (doubling, jittered)
 
 _RUNTIME_POLICY = {"auto": "auto", "fork": "auto", "evict": "auto", "alias": "pin", "pin": "pin",
@@ -212,10 +215,10 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
         level_tokens.append(computed)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
                             prefills=prefills, preemptions=preemptions)
-    rt.note_workflow(len(results), result.wall_s, [a.ttft_s for a in results.values()])
     result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
     for st in states.values():
         rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
+    rt.note_workflow(len(results), [a.ttft_s for a in results.values()])  # after the releases: no block stays pinned while it is told
     return result
 
 

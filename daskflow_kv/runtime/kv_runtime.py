@@ -250,11 +250,12 @@ class KVRuntime:
         lines += [f"parallel prefill over {p.width}: {p.reason}" for p in self.parallel_plans]
         return "\n".join(lines + ([self.explain_store()] if self.store_decisions else []))
 
-    def note_workflow(self, agents: int, wall_s: float, ttft_s: Sequence[float]) -> None:
-        """Tell the scheduler a workflow finished (the KV page's live plots of this namespace).
-        Informational: a refusal or a lost scheduler is logged, never the workflow's failure."""
+    def note_workflow(self, agents: int, ttft_s: Sequence[float]) -> None:
+        """Tell the scheduler a workflow of ``agents`` agents finished, with each one's TTFT (the
+        KV page's live plots of this namespace). Informational: a refusal or a lost scheduler is
+        logged, never the workflow's failure."""
         try:
-            self.plugin.workflow_done(agents, wall_s, [max(0.0, t) for t in ttft_s])
+            self.plugin.workflow_done(agents, [max(0.0, t) for t in ttft_s])
         except Exception as e:  # noqa: BLE001
             logger.debug("daskflow-kv: workflow report not recorded: %s", e)
 

@@ -113,9 +113,9 @@ class PluginClient:
         self.call("kv_configure", kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight,
                   unset_budget=unset_budget)
 
-    def workflow_done(self, agents: int, wall_s: float, ttft_s: Sequence[float]) -> None:
+    def workflow_done(self, agents: int, ttft_s: Sequence[float]) -> None:
         """A finished workflow, for the KV page's live plots (this namespace's)."""
-        self.call("kv_workflow_done", agents=agents, wall_s=wall_s, ttft_s=list(ttft_s))
+        self.call("kv_workflow_done", agents=agents, ttft_s=list(ttft_s))
 
     # -- introspection -------------------------------------------------------------------------------
     def counters(self) -> dict:

@@ -16,6 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ..stats import percentile
 from .systems import DaskflowSystem, LocalSystem, TextSystem
 from .workload import exp7_stream
 
@@ -23,16 +24,6 @@ LABEL = "MODELED"
 SYSTEMS = {"daskflow-kv": DaskflowSystem, "local": LocalSystem, "text": TextSystem}
 BENCH_NAMES = {"dkv": "daskflow-kv", "local": "local", "text": "text"}  # exp 7's system names -> ours
 STREAMS = ("uniform", "zipf", "zipf-budget")
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (exp 7's ``_pct``)."""
-    xs = sorted(xs)
-    if not xs:
-        return math.nan
-    i = q * (len(xs) - 1)
-    lo, hi = math.floor(i), math.ceil(i)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
 def make_system(system: str, profile, workers: int, budget: int | None = None, **kw):

@@ -50,7 +50,7 @@ COUNTERS = (
 BLOCK_STATUSES = ("pending", "memory", "lost", "evicted", "released", "recomputing", "forgotten")
 TIERS = ("memory", "spilled", "store", "")
 MAX_STORE_ONLY = 4096  # persisted blocks Dask forgot that the catalog keeps listing (newest used)
-MAX_RELEASED_STATES = 2048  # released states kept as history (lineage) while their blocks are cached
+MAX_RELEASED_STATES = 2048  # released states kept per namespace as history (lineage) while their blocks are cached
 MAX_EVICTED = 65536  # evicted block keys remembered, newest kept, to count an eviction regretted
 
 
@@ -233,10 +233,11 @@ class KVCatalog:
                 and not self.live_holders.get(k)]
 
     def prune(self) -> int:
-        """Drop released states whose blocks are all gone (history nobody can query), the oldest
-        released states past ``MAX_RELEASED_STATES`` (a shared context stays cached across
-        workflows, so history listing it would otherwise grow with every workflow), and the
-        least recently used store-only blocks past ``MAX_STORE_ONLY``. -> states dropped."""
+        """Drop released states whose blocks are all gone (history nobody can query), each
+        namespace's earliest registered released states past ``MAX_RELEASED_STATES`` (a shared
+        context stays cached across workflows, so history listing it would otherwise grow with
+        every workflow; per namespace, so one tenant's stream cannot erase another's lineage),
+        and the least recently used store-only blocks past ``MAX_STORE_ONLY``. -> states dropped."""
         extra = self.store_only()
         if len(extra) > MAX_STORE_ONLY:
             extra.sort(key=lambda k: self.blocks[k].last_access)
@@ -246,10 +247,14 @@ class KVCatalog:
                 if st.status == "released" and not any(k in self.blocks for k in st.block_keys)]
         for sid in gone:
             del self.states[sid]
-        released = [sid for sid, st in self.states.items() if st.status == "released"]  # oldest first
-        for sid in released[: max(0, len(released) - MAX_RELEASED_STATES)]:
+        released: dict[str, list[str]] = {}  # namespace -> its released states, earliest registered first
+        for sid, st in self.states.items():
+            if st.status == "released":
+                released.setdefault(st.namespace, []).append(sid)
+        old = [sid for sids in released.values() for sid in sids[: max(0, len(sids) - MAX_RELEASED_STATES)]]
+        for sid in old:
             del self.states[sid]
-        return len(gone) + max(0, len(released) - MAX_RELEASED_STATES)
+        return len(gone) + len(old)
 
     def count(self, name: str, value: float = 1, namespace: str | None = None) -> None:
         """Add to ``namespace``'s counter (None: the cluster's own, e.g. from an unattributed report)."""

@@ -254,10 +254,8 @@ def collect(scheduler, focus: str | None = None, viewer: access.Viewer | None = 
     timeline = getattr(plugin, "timeline", None)
     # The live plots: a tenant's own workflows and tokens; the admin and an open cluster's
     # browsers the cluster's; a browser not logged in the cluster's totals without timings.
-    out["timeline"] = timeline.series(v.namespace, everyone=v.role != "user") if timeline is not None else None
-    if out["timeline"] is not None and not v.detail:  # totals only: counts and bytes, no timing
-        for k in ("ttft_p50_s", "ttft_p95_s"):
-            out["timeline"][k] = [None] * len(out["timeline"][k])
+    out["timeline"] = (timeline.series(v.namespace, everyone=v.role != "user", timings=v.detail)
+                       if timeline is not None else None)
     if v.detail:  # the namespaces this viewer sees
         shown = _shown(states, v)
         mine = access.visible(events, v)

@@ -5,7 +5,9 @@ batch of its step loop and its KV bytes, over the last minutes (``kv_timeline``)
 embeds it once (``Bokeh.embed.embed_item`` on ``json_item``); its script then replaces the
 named data sources' columns from each ``/kv/api.json`` poll, so the plots move without a
 reload. BokehJS is served by the KV routes themselves (``STATIC_ROUTE``, from the installed
-bokeh package): the page needs no CDN and works on an offline cluster.
+bokeh package): the page needs no CDN and works on an offline cluster, and does not depend
+on Dask's Bokeh dashboard running (whose own copy sits under each of its applications'
+routes).
 
 Without bokeh installed the page simply has no plots (``available`` is False).
 """
@@ -41,20 +43,23 @@ def script_url(prefix: str) -> str:
     return f"{prefix}{STATIC_ROUTE}/js/bokeh.min.js?v={bokeh.__version__}"
 
 
-def _num(v):
+def _nan(v):
+    if isinstance(v, list):
+        return [_nan(x) for x in v]
     return math.nan if v is None else v
 
 
 def columns(timeline: dict, names: dict[str, str]) -> dict[str, dict]:
-    """Each source's columns from ``kv_timeline.series`` (times in ms, gaps as NaN)."""
+    """Each source's columns from ``kv_timeline.series``: times in ms, gaps as None (valid JSON;
+    the page's script and ``layout_item`` make them NaN, which Bokeh draws as a gap)."""
     t = [x * 1000 for x in timeline.get("t", [])]
-    out = {SERIES: {"t": t, **{k: [_num(v) for v in timeline.get(k, [])]
+    out = {SERIES: {"t": t, **{k: list(timeline.get(k, []))
                                for k in ("workflows_per_min", "ttft_p50_s", "ttft_p95_s", "hit_rate")}}}
     workers = sorted(timeline.get("workers", {}).items(), key=lambda kv: names.get(kv[0], kv[0]))
     for source, field in zip(WORKERS, ("batch", "kv_bytes")):
         out[source] = {
             "xs": [t for _ in workers],
-            "ys": [[_num(v) for v in w[field]] for _, w in workers],
+            "ys": [list(w[field]) for _, w in workers],
             "worker": [names.get(addr, addr) for addr, _ in workers],
             "color": [PALETTE[i % len(PALETTE)] for i in range(len(workers))],
         }
@@ -68,7 +73,7 @@ def layout_item(timeline: dict, names: dict[str, str], target: str = "kv-plots")
     from bokeh.models import ColumnDataSource, NumeralTickFormatter
     from bokeh.plotting import figure
 
-    cols = columns(timeline, names)
+    cols = {name: {k: _nan(v) for k, v in c.items()} for name, c in columns(timeline, names).items()}
     series = ColumnDataSource(cols[SERIES], name=SERIES)
 
     def fig(title: str, y_label: str):

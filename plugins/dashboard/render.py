@@ -22,6 +22,7 @@ import jinja2
 
 from daskflow_kv import config
 
+from ..kv_timeline import KEEP_S, WINDOW_S
 from . import plots, view
 from .format import fmt_bytes, fmt_clock, fmt_int, fmt_s, fmt_time
 
@@ -66,7 +67,7 @@ def render_sections(d: dict) -> dict[str, str]:
 def render_page(d: dict, prefix: str = "/", nav: list[tuple[str, str]] | None = None) -> str:
     """The whole page: Dask's navigation bar, the sections, and the script refreshing them."""
     ctx = view.page(d, prefix, nav or [], PAGE, refresh_seconds())
-    ctx.update(plots_item=None, bokeh_js=None)
+    ctx.update(plots_item=None, bokeh_js=None, plots_keep_min=KEEP_S / 60, plots_window_s=WINDOW_S)
     if ctx["available"]:
         ctx.update(view.sections(d))
         if d.get("timeline") is not None and plots.available():
