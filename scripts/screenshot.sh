@@ -55,6 +55,9 @@ def main(url_file: str, hold_s: float = 300.0) -> None:
         for name, a in result.agents.items():
             print(f"  {name:<12} {a.decision:<9} on {a.worker}: reused {a.tokens_reused}, computed {a.tokens_computed}",
                   flush=True)
+        for _ in range(4):  # a few more runs, a sample apart, for the live plots to draw lines
+            time.sleep(2.2)
+            wf.run(mode="state", runtime=rt)
         # a second family kept live (the workflow released its own states at the end)
         root = rt.materialize("Notes kept live for the page: these KV states still hold their blocks. " * 3)
         kids = rt.fork(root, 2)
@@ -90,7 +93,7 @@ URL="$(cat "$TMP/url")/kv"
 echo "[screenshot] $URL -> $OUT"
 timeout 120 chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
   --disable-background-networking --disable-component-update --disable-sync \
-  --user-data-dir="$TMP/chromium" --hide-scrollbars --window-size="${KV_SHOT_SIZE:-1400,1800}" \
-  --virtual-time-budget=2500 --screenshot="$OUT" "$URL" 2>"$TMP/chromium.log" \
+  --user-data-dir="$TMP/chromium" --hide-scrollbars --window-size="${KV_SHOT_SIZE:-1400,2300}" \
+  --virtual-time-budget=5000 --screenshot="$OUT" "$URL" 2>"$TMP/chromium.log" \
   || { cat "$TMP/chromium.log" >&2; exit 1; }
 ls -l "$OUT"

@@ -258,6 +258,23 @@ def test_metrics_name_namespaces_only_when_the_operator_enables_it(run):
         assert re.search(rf'^daskflow_kv_tenant_bytes\{{namespace="{ns}"\}} [1-9]', body, re.M), ns
 
 
+def _references_follow_definitions(item: dict) -> bool:
+    """Every ``{"id": ...}`` reference in a Bokeh document comes after that object's definition,
+    in document order (as BokehJS decodes it)."""
+    defined = set()
+
+    def walk(o) -> bool:
+        if isinstance(o, dict):
+            if "id" in o and len(o) == 1:
+                return o["id"] in defined
+            if "id" in o:
+                defined.add(o["id"])
+            return all(walk(v) for v in o.values())
+        return all(walk(v) for v in o) if isinstance(o, list) else True
+
+    return walk(item["doc"])
+
+
 def test_live_plots_show_each_tenant_its_own_workflows(run):
     """Each tenant reports a workflow with a TTFT no one else has; the plots' series of a tenant
     hold its own, the admin's the cluster's; a browser that has not logged in gets no TTFT."""
@@ -278,6 +295,9 @@ def test_live_plots_show_each_tenant_its_own_workflows(run):
     cookie = _login(run.base, "alice-lab")
     page = _request(run.base, "GET", "/kv", cookie)[2].decode()
     script = re.search(r'<script src="(/kv/static/js/bokeh\.min\.js\?v=[^"]+)"', page)
+    assert 'src="/kv/static/js/bokeh-widgets.min.js?v=' in page  # the document's config needs it
+    item = json.loads(re.search(r'id="kv-plots-item">(.*?)</script>', page, re.DOTALL).group(1))
+    assert _references_follow_definitions(item)  # BokehJS refuses a reference to an object not yet defined
     assert script and 'id="kv-plots-item"' in page
     status, headers, body = _request(run.base, "GET", script.group(1))
     assert status == 200 and "javascript" in headers["Content-Type"] and len(body) > 100_000

@@ -36,11 +36,15 @@ def static_path() -> str:
     return str(bokeh_static())
 
 
-def script_url(prefix: str) -> str:
-    """BokehJS, versioned so a browser never mixes a cached script with another bokeh's JSON."""
+def script_urls(prefix: str) -> list[str]:
+    """BokehJS - its core and the bundles a document may need (a document's config refers to
+    models of the widgets bundle) - as Bokeh's server mode lists them, under ``STATIC_ROUTE``,
+    versioned so a browser never mixes a cached script with another bokeh's JSON."""
     import bokeh
+    from bokeh.resources import Resources
 
-    return f"{prefix}{STATIC_ROUTE}/js/bokeh.min.js?v={bokeh.__version__}"
+    files = Resources(mode="server", root_url=f"{prefix}{STATIC_ROUTE.removesuffix('static')}").js_files
+    return [f"{f}?v={bokeh.__version__}" for f in files]
 
 
 def _nan(v):
@@ -76,9 +80,14 @@ def layout_item(timeline: dict, names: dict[str, str], target: str = "kv-plots")
     cols = {name: {k: _nan(v) for k, v in c.items()} for name, c in columns(timeline, names).items()}
     series = ColumnDataSource(cols[SERIES], name=SERIES)
 
+    x_range = None  # one time axis for every plot: a moment lines up across them, and zooms together
+
     def fig(title: str, y_label: str):
+        nonlocal x_range
         f = figure(title=title, x_axis_type="datetime", height=210, sizing_mode="stretch_width",
-                   tools="pan,wheel_zoom,box_zoom,reset,hover", toolbar_location="above")
+                   tools="pan,wheel_zoom,box_zoom,reset,hover", toolbar_location="above",
+                   **({"x_range": x_range} if x_range is not None else {}))
+        x_range = f.x_range
         f.yaxis.axis_label = y_label
         f.y_range.start = 0
         return f

@@ -48,6 +48,9 @@ def environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
     )
     env.filters.update(FILTERS)
+    # ``tojson`` sorts keys by default; a Bokeh document must keep its order (each object is
+    # defined where it first occurs and referenced by id after: sorted, a reference comes first).
+    env.policies["json.dumps_kwargs"] = {"sort_keys": False}
     return env
 
 
@@ -72,7 +75,7 @@ def render_page(d: dict, prefix: str = "/", nav: list[tuple[str, str]] | None = 
         ctx.update(view.sections(d))
         if d.get("timeline") is not None and plots.available():
             ctx.update(plots_item=plots.layout_item(d["timeline"], d.get("worker_names", {})),
-                       bokeh_js=plots.script_url(prefix))
+                       bokeh_js=plots.script_urls(prefix))
     return environment().get_template("kv.html").render(ctx)
 
 
