@@ -37,7 +37,7 @@ def test_the_scheduler_killed_mid_stream_fails_fast_and_a_new_cluster_resumes_fr
     def slow_prefill(rt):
         rt.prefill_override = PrefillProfile.from_rate(20.0)
 
-    out = run_scheduler_lost(str(tmp_path / "kv"), workflows=4, context=160, max_new=4, kill_after_done=1,
+    out = run_scheduler_lost(str(tmp_path / "kv"), workflows=3, context=128, max_new=4, kill_after_done=1,
                              runtime_setup=slow_prefill, log=lambda *a: None)
     failures = [*out["in_flight_at_kill"], *out["next_calls"].values()]
     assert failures and all(f["error"] == "SchedulerLost" and f["names_scheduler"] for f in failures), failures
