@@ -165,12 +165,12 @@ class StepEngine:
                     x.cancelled = True
             self._cond.notify()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():

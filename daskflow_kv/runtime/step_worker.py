@@ -13,6 +13,7 @@ prefill chunks) and ``daskflow-kv.batching.max-running`` (requests in a batch at
 
 from __future__ import annotations
 
+import atexit
 import threading
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import wait as wait_futures
@@ -36,6 +37,17 @@ def engine_for(runner: ModelRunner) -> StepEngine:
             eng = _ENGINES[id(runner)] = StepEngine(runner, int(config.get("batching.step-tokens")),
                                                     int(config.get("batching.max-running")))
         return eng
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, end the step loops between steps: a daemon thread still inside a forward when
+    the interpreter finalizes can end the process with "terminate called without an active
+    exception"."""
+    with _LOCK:
+        engines = list(_ENGINES.values())
+    for eng in engines:
+        eng.stop(timeout=5.0)
 
 
 def engine_stats() -> dict[str, dict]:
