@@ -24,7 +24,7 @@ from daskflow_kv.bench.soak import GROWTH_LIMIT, SoakConfig, run_soak
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--concurrency", type=int, default=3, help="workflows in flight per client")
+    ap.add_argument("--concurrency", type=int, default=4, help="workflows in flight per client")
     ap.add_argument("--warmup-minutes", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
     args = ap.parse_args(argv)

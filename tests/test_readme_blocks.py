@@ -45,8 +45,9 @@ def test_headline_compares_with_the_best_baseline_and_names_missed_targets():
     doc, summary = _published()
     text = rb.headline_table(doc, summary)
     rows = [line for line in text.splitlines() if line.startswith("| mean TTFT") or line.startswith("| completed")]
-    assert len(rows) == 5  # shortest and longest context, cold and warm; the stream
-    assert all(r.count("(local)") == 1 and "**" in r for r in rows)  # the best baseline here: local
+    streams = {r.get("stream", "uniform") for r in summary if r["exp"] == "exp7"}
+    assert len(rows) == 4 + len(streams)  # shortest and longest context, cold and warm; each stream
+    assert all(sum(r.count(f"({b})") for b in ("local", "hf", "text")) == 1 and "**" in r for r in rows)
     assert "tokens matched text replay's at every point" in text
     missed = [t["target"] for t in doc["targets"] if t["ok"] is False]
     assert missed and all(t in text for t in missed)
