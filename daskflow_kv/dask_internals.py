@@ -259,6 +259,14 @@ def unrunnable(scheduler) -> list:
     return list(scheduler.unrunnable)
 
 
+def paused_workers(scheduler) -> set[str]:
+    """Workers Dask paused (process memory over ``distributed.worker.memory.pause``): they keep
+    their data and serve it to others, but start no task."""
+    from distributed.core import Status
+
+    return {a for a, ws in scheduler.workers.items() if ws.status == Status.paused}
+
+
 def has_running_worker(scheduler) -> bool:
     """At least one worker is up and accepting tasks (not only connected)."""
     return bool(scheduler.running)

@@ -5,7 +5,10 @@ restriction is strict while that worker lives (a loose one would let work steali
 and drag the blocks along); when the worker dies, the restrictions that pointed at it are
 loosened, so the tasks run elsewhere and Dask recomputes the lost blocks from lineage.
 Nothing may wait on a dead worker: a task already stuck in ``no-worker`` is scheduled
-again, at once or as soon as a worker is running (``reschedule_orphans``).
+again, at once or as soon as a worker is running (``reschedule_orphans``). Nor on one Dask
+keeps paused: a worker whose memory the model and its allocator keep over Dask's pause
+threshold may never resume, so after ``PAUSE_PATIENCE_S`` its strictly placed KV tasks are
+let go to a running worker, which fetches their blocks from it (``release_paused``).
 
 With a budget, the budget's admission decides when a placed task goes (``kv_budget``).
 Each placement records the plan's cost-model decision (transfer or recompute) once per
@@ -26,8 +29,11 @@ from .kv_notes import ComputeNote
 from .kv_queue import QueueTracker
 
 
+PAUSE_PATIENCE_S = 5.0  # a worker paused this long lets its KV tasks run elsewhere (a pause often passes sooner)
+
+
 class Locality:
-    __slots__ = ("_scheduler", "_catalog", "_budget", "_queue", "_events")
+    __slots__ = ("_scheduler", "_catalog", "_budget", "_queue", "_events", "_paused_since")
 
     def __init__(self, scheduler, catalog: KVCatalog, budget: BudgetEnforcer, queue: QueueTracker,
                  events: EventLog):
@@ -36,6 +42,7 @@ class Locality:
         self._budget = budget  # holds a placed task until it fits
         self._queue = queue  # the placed task's predicted time
         self._events = events  # placement notes, decisions, transfers, recomputes
+        self._paused_since: dict[str, float] = {}  # worker -> when it was first seen paused (this pause)
 
     # -- a new task -------------------------------------------------------------------------------
     def place(self, ts, note: ComputeNote, namespace: str | None) -> None:
@@ -121,6 +128,25 @@ class Locality:
             moved = sum(ts.state != "no-worker" for ts in stuck)
             if moved:
                 self._events.record("rescheduled", None, keys=moved)
+
+    def release_paused(self, now: float, stimulus_id: str) -> int:
+        """KV tasks stuck in no-worker, strictly placed only on workers paused for at least
+        ``PAUSE_PATIENCE_S``, may run on any running worker. -> how many were let go."""
+        s = self._scheduler
+        paused = di.paused_workers(s)
+        self._paused_since = {a: self._paused_since.get(a, now) for a in paused}
+        long_paused = {a for a, since in self._paused_since.items() if now - since >= PAUSE_PATIENCE_S}
+        if not long_paused or not di.has_running_worker(s):
+            return 0
+        stuck = [ts for ts in di.unrunnable(s)
+                 if is_placed(ts.key) and di.is_strict(ts) and set(ts.worker_restrictions) <= long_paused
+                 and not self._budget.awaiting_admission(ts.key)]
+        for ts in stuck:
+            di.loosen(ts)
+        if stuck:
+            di.reschedule(s, [ts.key for ts in stuck], stimulus_id)
+            self._events.record("paused-worker", None, workers=sorted(long_paused), rescheduled=len(stuck))
+        return len(stuck)
 
     # -- where a block is -------------------------------------------------------------------------
     def where(self, ts) -> list[str]:

@@ -216,6 +216,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.lifecycle.tidy(now)
         try:
             self.locality.reschedule_orphans(f"kv-tick-{now}")
+            self.locality.release_paused(now, f"kv-tick-{now}")
             self.budget.enforce()
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv periodic check failed")

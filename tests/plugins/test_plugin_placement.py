@@ -1,6 +1,6 @@
 """Placement through the real plugin on a real (in-process) scheduler and workers: the
 queue the planner reads (busy seconds from predicted task times), a strict restriction to
-a worker that died loosened so the task runs elsewhere, blocks only the cache wanted not
+a worker that died - or that stays paused - loosened so the task runs elsewhere, blocks only the cache wanted not
 recomputed after their worker died, and the links of the ``kv_snapshot`` answer."""
 
 from __future__ import annotations
@@ -128,3 +128,27 @@ async def test_a_prefill_batched_with_others_is_no_sample_for_the_profile_fit(c,
     a.log_event(PREFILL_TOPIC, {**clean, "seconds": 0.02})  # sent after it on the same stream
     await until(lambda: samples() > n, what="the clean sample after it")
     assert samples() == n + 1  # the batched one was left out
+
+
+# Dask's own memory monitor would resume b (its memory is low): the test pauses it by hand
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config={**kv_config(), "distributed.worker.memory.pause": False})
+async def test_a_kv_task_placed_on_a_worker_that_stays_paused_runs_elsewhere(c, s, a, b, monkeypatch):
+    """Dask pauses a worker whose process memory is over its pause threshold; when the model and
+    its allocator keep it there, it never resumes - its strictly placed KV tasks must not wait
+    for it (they run on a running worker, which fetches their inputs from the paused one)."""
+    import distributed.core
+
+    from daskflow_kv.plugins import kv_locality
+
+    monkeypatch.setattr(kv_locality, "PAUSE_PATIENCE_S", 0.3)
+    plugin = await start_plugin(s, evict_interval="50ms")
+    token = await login(c)
+    upstream = c.submit(kv_value, 64, workers=[b.address], pure=False)
+    await upstream
+    b.status = distributed.core.Status.paused
+    await until(lambda: s.workers[b.address].status == distributed.core.Status.paused, what="b paused")
+    placed = submit_compute(c, token, b.address, passthrough, upstream)
+    assert len(await placed) == 64
+    assert {ws.address for ws in s.tasks[placed.key].who_has} == {a.address}
+    [ev] = events(plugin, "paused-worker")
+    assert ev["workers"] == [b.address] and ev["rescheduled"] >= 1
