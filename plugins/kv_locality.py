@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from daskflow_kv import dask_internals as di
-from daskflow_kv.keys import is_placed
+from daskflow_kv.keys import is_kv, is_placed
 from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_budget import BudgetEnforcer
@@ -131,7 +131,8 @@ class Locality:
 
     def release_paused(self, now: float, stimulus_id: str) -> int:
         """KV tasks stuck in no-worker, strictly placed only on workers paused for at least
-        ``PAUSE_PATIENCE_S``, may run on any running worker. -> how many were let go."""
+        ``PAUSE_PATIENCE_S``, may run on any running worker: placed consumers, and the block
+        cuts Dask recomputes where their prefill ran. -> how many were let go."""
         s = self._scheduler
         paused = di.paused_workers(s)
         self._paused_since = {a: self._paused_since.get(a, now) for a in paused}
@@ -139,7 +140,7 @@ class Locality:
         if not long_paused or not di.has_running_worker(s):
             return 0
         stuck = [ts for ts in di.unrunnable(s)
-                 if is_placed(ts.key) and di.is_strict(ts) and set(ts.worker_restrictions) <= long_paused
+                 if is_kv(ts.key) and di.is_strict(ts) and set(ts.worker_restrictions) <= long_paused
                  and not self._budget.awaiting_admission(ts.key)]
         for ts in stuck:
             di.loosen(ts)
