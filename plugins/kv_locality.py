@@ -89,14 +89,18 @@ class Locality:
     def loosen_dead_restrictions(self, task_states) -> list:
         """Loosen strict restrictions naming only workers that are gone; -> keys stuck in no-worker."""
         alive = self._scheduler.workers
+        return self._loosen_strict(task_states, lambda ts: not any(w in alive for w in ts.worker_restrictions))
+
+    def _loosen_strict(self, task_states, unusable) -> list:
+        """Loosen the strict restrictions ``unusable`` says name no worker that can run them
+        (admission decides the tasks it holds); -> the loosened keys stuck in no-worker."""
         stuck = []
         for ts in task_states:
-            if self._budget.awaiting_admission(ts.key):  # admission decides those
+            if self._budget.awaiting_admission(ts.key) or not di.is_strict(ts) or not unusable(ts):
                 continue
-            if di.is_strict(ts) and not any(w in alive for w in ts.worker_restrictions):
-                di.loosen(ts)
-                if ts.state == "no-worker":
-                    stuck.append(ts.key)
+            di.loosen(ts)
+            if ts.state == "no-worker":
+                stuck.append(ts.key)
         return stuck
 
     def replace_lost(self, stimulus_id: str) -> int:
@@ -139,15 +143,12 @@ class Locality:
         long_paused = {a for a, since in self._paused_since.items() if now - since >= PAUSE_PATIENCE_S}
         if not long_paused or not di.has_running_worker(s):
             return 0
-        stuck = [ts for ts in di.unrunnable(s)
-                 if is_kv(ts.key) and di.is_strict(ts) and set(ts.worker_restrictions) <= long_paused
-                 and not self._budget.awaiting_admission(ts.key)]
-        for ts in stuck:
-            di.loosen(ts)
-        if stuck:
-            di.reschedule(s, [ts.key for ts in stuck], stimulus_id)
-            self._events.record("paused-worker", None, workers=sorted(long_paused), rescheduled=len(stuck))
-        return len(stuck)
+        stuck = [ts for ts in di.unrunnable(s) if is_kv(ts.key) and set(ts.worker_restrictions) <= long_paused]
+        keys = self._loosen_strict(stuck, lambda ts: True)
+        if keys:
+            di.reschedule(s, keys, stimulus_id)
+            self._events.record("paused-worker", None, workers=sorted(long_paused), rescheduled=len(keys))
+        return len(keys)
 
     # -- where a block is -------------------------------------------------------------------------
     def where(self, ts) -> list[str]:
