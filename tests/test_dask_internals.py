@@ -250,9 +250,17 @@ def test_transfer_records_and_bandwidth_orientation(client, workers):
     assert rec["who"] == a and rec["total"] >= 16 << 20 and rec["duration"] > 0 and rec["stop"] >= rec["start"]
     held = client.run(lambda dask_worker: di.in_memory(dask_worker)["internals-payload"].nbytes)
     assert held[a] == held[b] == 16 << 20
-    # Worker metrics reach the scheduler with heartbeats.
+    # Worker metrics reach the scheduler with heartbeats. A sample taken while a heartbeat is
+    # in flight is cleared unsent (Dask clears the table when the reply comes), so a loaded
+    # machine can lose one: fetch again until a heartbeat carries one, as a busy worker would.
     links = lambda: client.run_on_scheduler(lambda dask_scheduler: di.link_bandwidths(dask_scheduler))  # noqa: E731
-    assert wait_until(lambda: (a, b) in links(), timeout=30)
+    for attempt in range(5):
+        if wait_until(lambda: (a, b) in links(), timeout=6):
+            break
+        again = client.submit(lambda: np.ones(4 << 20, dtype=np.float32), key=f"internals-payload-{attempt}",
+                              workers=[a], pure=False)
+        assert client.submit(lambda v: v.nbytes, again, workers=[b], pure=False).result(timeout=20) == 16 << 20
+    assert (a, b) in links()
     raw = client.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.bandwidth_workers))
     assert (b, a) in raw  # the receiver first
 
