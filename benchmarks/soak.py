@@ -26,12 +26,15 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=4, help="workflows in flight per client")
     ap.add_argument("--warmup-minutes", type=float, default=5.0)
+    ap.add_argument("--hang-s", type=float, default=300.0,
+                    help="a workflow still running this long after the stream's end counts as hung")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
     args = ap.parse_args(argv)
 
     from daskflow_kv.runtime.cluster import local_cluster
 
-    cfg = SoakConfig(minutes=args.minutes, concurrency=args.concurrency, warmup_minutes=args.warmup_minutes)
+    cfg = SoakConfig(minutes=args.minutes, concurrency=args.concurrency, warmup_minutes=args.warmup_minutes,
+                     hang_s=args.hang_s)
     with tempfile.TemporaryDirectory(prefix="kv-store-") as store, \
             local_cluster(2, 1, dashboard_address=None) as cluster:
         out = run_soak(cluster, cfg, store, log=log)

@@ -267,6 +267,13 @@ def paused_workers(scheduler) -> set[str]:
     return {a for a, ws in scheduler.workers.items() if ws.status == Status.paused}
 
 
+def is_paused(worker) -> bool:
+    """Dask paused this worker (its process memory is over ``distributed.worker.memory.pause``)."""
+    from distributed.core import Status
+
+    return worker.status == Status.paused
+
+
 def has_running_worker(scheduler) -> bool:
     """At least one worker is up and accepting tasks (not only connected)."""
     return bool(scheduler.running)

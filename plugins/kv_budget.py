@@ -7,12 +7,15 @@ exist) until ``policy.admission.admit`` says there is room. Room is made by evic
 unpinned blocks *before* the task is sent: the worker receives the release and then the
 task on the same ordered stream, so it never holds both. Bytes promised to a task stay
 reserved until it finishes, so two tasks cannot be admitted into the same room. A task
-that cannot fit yet waits in line, oldest first; it fails (``KVBudgetError``, a clear
-message) only when it never can. When the cluster made no progress for
-``admission-patience`` - no KV task ran anywhere and no KV left memory: parked tasks hold
-each other's room through states their clients keep - the youngest stuck task is
-preempted (``KVPreempted``; its workflow releases its states and retries) and the rest
-wait on. A periodic check (``enforce``) still trims retained blocks
+that cannot fit yet waits in line; it fails (``KVBudgetError``, a clear message) only when
+it never can. The line is per worker and first come, first served by workflow run (a
+run's later levels go before runs that began after it; ``flow`` in the task's note), as a
+serving engine's waiting queue: while the oldest task waits for room there, no younger one
+takes that room, so a large request is not starved by small ones. When the cluster made no
+progress for ``admission-patience`` - no KV task ran anywhere and no KV left memory: parked
+tasks hold each other's room through states their clients keep - the youngest task in a
+stuck line is preempted (``KVPreempted``; its workflow releases its states and retries,
+keeping its place in line) and the rest wait on. A periodic check (``enforce``) still trims retained blocks
 down to the budget as states are released (``policy.eviction.choose_victims``).
 
 Tenants with a quota (``daskflow-kv.tenants.<name>.quota``) are guaranteed that many KV
@@ -36,7 +39,7 @@ from typing import NamedTuple
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError, KVPreempted
 from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, Tenancy, admit
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Tenancy, admit, runs_to_preempt
 from daskflow_kv.policy.eviction import choose_victims
 from daskflow_kv.state.catalog import KVCatalog
 
@@ -60,6 +63,8 @@ class Held:
     worker: str | None = None  # where it was admitted
     gang: str | None = None  # tasks that must start together (a parallel prefill's chunks)
     gang_size: int = 1  # how many tasks the gang has
+    rank: float = 0.0  # its place in line: when its workflow run was first seen (else ``since``)
+    flow: str | None = None  # the workflow run it serves
 
 
 class Verdict(NamedTuple):
@@ -72,14 +77,48 @@ class Verdict(NamedTuple):
     need: int  # KV bytes it adds there
 
 
-def _since(members: list) -> float:
-    """When the last of a stuck task's (or gang's) members was submitted."""
-    return max(h.since for _, _, h, _ in members)
+STARVING = 6  # patiences a line's room may not grow, however busy other workers are, before it counts as stuck
+ORPHAN_CHECK_S = 1.0  # how often parked tasks are checked for a workflow that let them go
+MAX_FLOWS = 4096  # workflow runs remembered for their place in line (the oldest-seen go first)
+FLOW_IDLE_S = 300.0  # a run with no task for this long is forgotten: a reused name starts anew
+MAX_SENIORITY_S = 600.0  # a run's place in line dates back at most this far (a name kept for ever jumps no line)
+
+
+def _pending_only_for_cache(ts, limit: int = 512) -> set | None:
+    """The not-yet-computed keys downstream of ``ts`` that only the cache wants, when nothing
+    else downstream (or ``ts`` itself) is wanted by a client; None when something is."""
+    seen, stack, cache_only = {ts.key}, [ts], set()
+    while stack:
+        t = stack.pop()
+        wanters = {cs.client_key for cs in t.who_wants or ()}
+        if wanters - {CACHE_CLIENT} or t.state == "memory" and t is not ts:
+            return None  # a client still waits for it, or it is made already (the cache keeps that)
+        if CACHE_CLIENT in wanters:
+            cache_only.add(t.key)
+        for d in t.dependents:
+            if d.key not in seen:
+                if len(seen) >= limit:
+                    return None
+                seen.add(d.key)
+                stack.append(d)
+    return cache_only
+
+
+def _run_of(unit: list) -> tuple:
+    """The (namespace, workflow run) a parked task or gang serves."""
+    h = unit[0][2]
+    return (h.namespace, h.flow)
+
+
+def _rank(unit: list) -> tuple:
+    """A parked task's (or gang's) place in line: its run's start, then its own submission."""
+    return min((h.rank, h.since) for _, _, h in unit)
 
 
 class BudgetEnforcer:
     __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
-                 "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at")
+                 "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at", "_floors", "_flows",
+                 "_orphans_checked")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
                  quotas: Mapping[str, int] | None = None):
@@ -96,7 +135,12 @@ class BudgetEnforcer:
         self._flushed: set = set()  # those of them released under a budget of 0 (a deliberate flush)
         self._over_budget: set[str] = set()  # workers over budget with only pinned blocks left
         self._dirty = False  # KV use may have changed since the last check (or a worker is still over)
-        self._progress_at = 0.0  # when a KV task last finished or KV last left memory: a parked task's patience runs from here
+        self._progress_at = 0.0  # when a KV task last finished or KV last left memory anywhere
+        # line -> (its oldest waiting task, the least KV eviction could not free there while it
+        # waited, since when): how long its room has not grown, however busy the cluster is
+        self._floors: dict[tuple, tuple] = {}
+        self._flows: dict[tuple, list[float]] = {}  # (namespace, run) -> [first seen, last seen]
+        self._orphans_checked = 0.0  # when parked tasks nobody needs were last let go
 
     # -- what other parts ask ---------------------------------------------------------------------
     def is_held(self, key) -> bool:
@@ -121,7 +165,16 @@ class BudgetEnforcer:
         """Something freed or may soon free KV (a state released, a block left memory): parked
         tasks wait on, and try again."""
         self._progress_at = time.time()
+        if not self._admit_pending and self._held:  # at once, not at the next tick: a preempted
+            self._scheduler.loop.add_callback(self._admit_if_pending)  # workflow retries within 0.1 s
         self._admit_pending = True
+
+    def _admit_if_pending(self) -> None:
+        if self._admit_pending:
+            try:
+                self.admit()
+            except Exception:  # a callback's error would go unseen
+                logger.exception("daskflow-kv admission failed")
 
     def confirm_evicted(self, key) -> str | None:
         """Dask let go of ``key``. -> "evicted" when the budget had released it under pressure,
@@ -135,21 +188,64 @@ class BudgetEnforcer:
             return "evicted"
         return None
 
+    def snapshot(self) -> dict:
+        """What admission holds now, as plain data (a stalled stream's diagnosis)."""
+        now = time.time()
+        tasks = self._scheduler.tasks
+        return {
+            "held": [{"key": str(k), "state": getattr(tasks.get(k), "state", None), "worker": h.worker,
+                      "target": h.target, "reserved": h.reserved, "out_bytes": h.out_bytes, "gang": h.gang,
+                      "age_s": round(now - h.since, 1)} for k, h in self._held.items()],
+            "reserved": dict(self._reserved),
+            "lines": [{"worker": line[0], "namespace": line[1], "oldest": str(key), "unfreeable": nbytes,
+                       "since_room_grew_s": round(now - at, 1)} for line, (key, nbytes, at) in self._floors.items()],
+            "admit_pending": self._admit_pending, "evicting": len(self._evicting),
+            "over_budget": sorted(self._over_budget),
+        }
+
     def forget_worker(self, worker: str) -> None:
         """``worker`` is gone: nothing is reserved there; parked tasks planned there go elsewhere."""
         self._over_budget.discard(worker)
         self._reserved.pop(worker, None)
+        self._floors = {line: f for line, f in self._floors.items() if line[0] != worker}
         self.note_progress()
 
     # -- admission --------------------------------------------------------------------------------
     def hold(self, ts, target: str | None, out_bytes: int, namespace: str | None, gang: str | None = None,
-             gang_size: int = 1) -> bool:
-        """Park a KV task until admitted; False (run it as usual) when no budget is set."""
+             gang_size: int = 1, flow: str | None = None) -> bool:
+        """Park a KV task until admitted; False (run it as usual) when no budget is set.
+        ``flow``: the workflow run it serves (its place in line)."""
         if self._settings.kv_budget_bytes is None:
             return False
-        self._held[ts.key] = Held(target, int(out_bytes), namespace, time.time(), gang=gang, gang_size=int(gang_size))
+        now = time.time()
+        self._held[ts.key] = Held(target, int(out_bytes), namespace, now, gang=gang, gang_size=int(gang_size),
+                                  rank=self._flow_start(namespace, flow, now), flow=flow)
         di.pin(self._scheduler, ts, HOLD_WORKER)
         return True
+
+    def _flow_start(self, namespace: str | None, flow: str | None, now: float) -> float:
+        """When run ``flow`` of ``namespace`` was first seen (runs are per namespace: a tenant
+        cannot borrow another's place), at most ``MAX_SENIORITY_S`` ago; ``now`` without one."""
+        if flow is None:
+            return now
+        seen = self._flows.get((namespace, flow))
+        if seen is None or now - seen[1] > FLOW_IDLE_S:
+            if len(self._flows) >= MAX_FLOWS:
+                self._forget_flows(now)
+            seen = self._flows[(namespace, flow)] = [now, now]
+        seen[1] = now
+        return max(seen[0], now - MAX_SENIORITY_S)
+
+    def forget_run(self, run: tuple | None) -> None:
+        """A workflow run ended: its name's place in line is forgotten."""
+        if run is not None:
+            self._flows.pop(run, None)
+
+    def _forget_flows(self, now: float) -> None:
+        """Make room: runs idle for ``FLOW_IDLE_S`` go, else the least recently seen quarter."""
+        idle = [k for k, (_, last) in self._flows.items() if now - last > FLOW_IDLE_S]
+        for k in idle or sorted(self._flows, key=lambda k: self._flows[k][1])[: MAX_FLOWS // 4]:
+            del self._flows[k]
 
     def transition(self, key, start: str, finish: str) -> None:
         held = self._held.get(key)
@@ -161,76 +257,165 @@ class BudgetEnforcer:
             self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
             self._held.pop(key, None)
             self.note_progress()  # its room may let a waiting task in
-        elif finish in ("released", "forgotten", "erred") and held.worker is None:
+        elif finish in ("released", "forgotten", "erred"):  # let go before it ran (admitted or not)
             self._held.pop(key, None)
+            if held.worker is not None:
+                self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
+                self.note_progress()
 
     def admit(self) -> None:
-        """Send every parked task that fits; evict first where that makes room."""
+        """Send every parked task that fits, in line order; evict first where that makes room."""
         self._admit_pending = False
         if not self._held:
             return
         now = time.time()
         stimulus = f"kv-admit-{now}"
-        gangs: dict[str, list] = {}
-        stuck: list[list] = []  # [(key, ts, held, verdict)] per task or gang that nothing can unblock
-        running = any(h.worker is not None for h in self._held.values())  # its end may free room
-        for key, held in sorted(self._held.items(), key=lambda kv: kv[1].since):
+        if now - self._orphans_checked >= ORPHAN_CHECK_S:
+            self._orphans_checked = now
+            self._drop_orphans(stimulus)
+        units: dict[object, list] = {}  # a task alone, or a gang's members together
+        for key, held in self._held.items():
             ts = self._scheduler.tasks.get(key)
             if ts is None or held.worker is not None or ts.state != "no-worker":
                 continue
-            if held.gang is not None:
-                gangs.setdefault(held.gang, []).append((key, ts, held))
-                continue
-            d = self._decide(ts, held, now, running=running)
-            if d is not None and d.action == STUCK:
-                stuck.append([(key, ts, held, d)])
-            elif d is not None:
-                self._apply(key, ts, held, d, stimulus)
-        for members in gangs.values():
-            self._admit_gang(members, now, stimulus, stuck, running)
+            units.setdefault(("gang", held.gang) if held.gang is not None else key, []).append((key, ts, held))
+        running = {h.worker for h in self._held.values() if h.worker is not None}  # workers with admitted tasks
+        lines: dict[tuple, list] = {}  # line -> [(unit, verdicts)] waiting there, oldest first
+        blocked: dict[tuple, str] = {}  # line -> why its oldest waiting task waits (no younger one passes it)
+        stuck: set[tuple] = set()  # blocked lines where nothing can unblock the oldest
+        for unit in sorted(units.values(), key=_rank):
+            self._admit_unit(unit, now, stimulus, running, lines, blocked, stuck)
         if stuck:
-            self._preempt_youngest(stuck, stimulus)
+            self._preempt_youngest(lines, blocked, stuck, stimulus)
 
-    def _preempt_youngest(self, stuck: list[list], stimulus: str) -> None:
-        """Break a deadlock: on each worker with stuck tasks, fail the youngest (task or gang)
-        with ``KVPreempted``; its workflow releases what it holds there and retries. The
-        others' patience starts again."""
-        youngest: dict[str, list] = {}
-        for members in stuck:
-            worker = members[0][3].worker
-            if worker not in youngest or _since(members) > _since(youngest[worker]):
-                youngest[worker] = members
-        for members in youngest.values():
-            for key, ts, held, d in members:
-                reason = d.reason + "; preempted (the youngest task waiting there) so older ones can run: retry it"
-                self._held.pop(key, None)
-                self._events.record("preempt", held.namespace, worker=d.worker, key=str(key), reason=reason)
-                di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
-        self.note_progress()
+    def _drop_orphans(self, stimulus: str) -> None:
+        """Let go of parked tasks nobody needs any more: their workflow gave up (preempted, its
+        client gone) and only the cache still wants the blocks they would make, wanted from
+        the moment they were submitted. Left parked, they would pin their inputs for good -
+        room the next workflows need. The cache drops those pending blocks; Dask then forgets
+        the task and its chain."""
+        drop: set = set()
+        for key, held in list(self._held.items()):
+            ts = self._scheduler.tasks.get(key)
+            pending = _pending_only_for_cache(ts) if held.worker is None and ts is not None else None
+            if pending:
+                drop |= pending
+                self._events.record("orphan-dropped", held.namespace, key=str(key), blocks=len(pending))
+        if drop:
+            di.unwant(self._scheduler, sorted(drop), CACHE_CLIENT, stimulus)
 
-    def _admit_gang(self, members: list, now: float, stimulus: str, stuck: list, running: bool) -> None:
-        """All of a gang at once: admitted when every member fits, failed when one never can."""
-        waited = now - min(h.since for _, _, h in members)
-        if len(members) < members[0][2].gang_size and waited < self._settings.admission_patience:
+    def _line(self, worker: str, namespace: str | None) -> tuple:
+        """Who queues behind whom: a worker's tasks, per tenant when tenants have quotas (one
+        tenant's wait must not hold up another's guaranteed room)."""
+        return (worker, namespace if self._quotas else None)
+
+    def _admit_unit(self, unit: list, now: float, stimulus: str, running: set, lines: dict, blocked: dict,
+                    stuck: set) -> None:
+        """Admit a task (or a whole gang) that fits where no older task waits; fail one that
+        never fits; else it waits, and no younger task passes it on its lines."""
+        head = unit[0][2]
+        if head.gang is not None and len(unit) < head.gang_size and \
+                now - min(h.since for _, _, h in unit) < self._settings.admission_patience:
             return  # the rest still wait for their inputs; a member that never comes stops blocking later
+        workers = [self._pick_worker(ts, held) for _, ts, held in unit]
+        if None in workers:
+            return
+        mine = {self._line(w, h.namespace) for w, (_, _, h) in zip(workers, unit)}
+        first = not mine & blocked.keys()  # no older task waits on its lines
         verdicts, promised = [], {}
-        for key, ts, held in members:
-            v = self._decide(ts, held, now, promised, running)
-            if v is None:
-                return
+        for (key, ts, held), worker in zip(unit, workers):
+            v = self._decide(ts, held, worker, now, promised, running if first else None)
             verdicts.append(v)
             promised[v.worker] = promised.get(v.worker, 0) + v.need
         actions = {v.action for v in verdicts}
-        if actions == {ADMIT}:
-            for (key, ts, held), v in zip(members, verdicts):
-                self._apply(key, ts, held, v, stimulus)
-        elif FAIL in actions:  # one never fits: the gang fails as one, none holds a thread waiting
+        if FAIL in actions:  # one never fits: a gang fails as one, none holds a thread waiting
             reason = next(v.reason for v in verdicts if v.action == FAIL)
-            for (key, ts, held), v in zip(members, verdicts):
+            for (key, ts, held), v in zip(unit, verdicts):
                 self._apply(key, ts, held, v._replace(action=FAIL, victims=(), reason=reason), stimulus)
-        elif STUCK in actions:  # preempted as one, if it is the youngest
-            reason = next(v.reason for v in verdicts if v.action == STUCK)
-            stuck.append([(key, ts, held, v._replace(reason=reason)) for (key, ts, held), v in zip(members, verdicts)])
+            return
+        if not first:  # an older task waits there: this one queues behind it
+            for line in mine:
+                lines.setdefault(line, []).append((unit, verdicts))
+            return
+        if actions == {ADMIT}:
+            for (key, ts, held), v in zip(unit, verdicts):
+                self._apply(key, ts, held, v, stimulus)
+            return
+        why = next(v.reason for v in verdicts if v.action != ADMIT)
+        blocked.update(dict.fromkeys(mine, why))  # the oldest waiting on its lines
+        if STUCK in actions:
+            stuck |= mine
+        for line in mine:
+            lines.setdefault(line, []).append((unit, verdicts))
+
+    def _preempt_youngest(self, lines: dict, blocked: dict, stuck: set, stimulus: str) -> None:
+        """Break a deadlock, as a serving engine preempts its newest requests: for each stuck
+        line, fail with ``KVPreempted`` a waiting task (or gang) of each of the fewest waiting
+        workflow runs, youngest first, whose release frees the room the line's oldest task
+        lacks (a block shared by several runs is freed only when all of them go; a run parked
+        on another worker may hold this one's room); when no such set exists, the line's
+        youngest task. Their workflows release what they hold and retry, keeping their place
+        in line. (Preempting a run that holds nothing there frees nothing: done again and
+        again, that is a livelock.) The line's patience starts again."""
+        waiting = {id(u): (u, v) for queued in lines.values() for u, v in queued}
+        by_age = sorted(waiting.values(), key=lambda uv: _rank(uv[0]), reverse=True)
+        budget = self._settings.kv_budget_bytes or 0
+        victims: list[tuple] = []  # (unit, verdicts, why)
+        for line in sorted(stuck, key=str):
+            oldest = lines[line][0]
+            head_key, unfreeable, _ = self._floors.get(line, (None, 0, 0.0))
+            lacking = unfreeable + sum(v.need for v in oldest[1] if v.worker == line[0]) - budget
+            others = {}  # run -> one of its waiting units, youngest run first (the oldest's own run is not one)
+            for unit, verdicts in by_age:
+                if _run_of(unit) != _run_of(oldest[0]):
+                    others.setdefault(_run_of(unit), (unit, verdicts))
+            runs = runs_to_preempt(self._pins_by_run(line[0]), list(others), lacking)
+            if runs:
+                why = blocked[line] + "; preempted (a waiting workflow holding KV there, the youngest such) so the " \
+                                      "oldest waiting there can run: retry it"
+                victims += [(*others[r], why) for r in runs]
+            else:
+                unit, verdicts = lines[line][-1]
+                victims.append((unit, verdicts, blocked[line] + "; preempted (the youngest task waiting there) so "
+                                                                "older ones can run: retry it"))
+            if head_key is not None:  # its patience starts again: the victims' releases take a moment
+                self._floors[line] = (head_key, unfreeable, time.time())
+        done: set = set()
+        for unit, verdicts, reason in victims:
+            for (key, ts, held), v in zip(unit, verdicts):
+                if key in done or key not in self._held:
+                    continue
+                done.add(key)
+                self._held.pop(key, None)
+                self._events.record("preempt", held.namespace, worker=v.worker, key=str(key), reason=reason)
+                di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
+        self.note_progress()
+
+    def _pins_by_run(self, worker: str) -> list[tuple[int, frozenset | None]]:
+        """Each pinned KV block in memory on ``worker``: (bytes, the workflow runs keeping it -
+        its live states' and its waiting readers'); None when something else keeps it too (a
+        lease, a reader or state no run claims), which no preemption frees."""
+        ws = self._scheduler.workers.get(worker)
+        if ws is None:
+            return []
+        now = time.time()
+        out = []
+        states = self._catalog.states
+        for b in self._usage.usage(ws, now).blocks:
+            ts = self._scheduler.tasks.get(b.key)
+            if not b.pinned or ts is None:
+                continue
+            live = [states[sid] for sid in self._catalog.live_holders.get(b.key, ()) if sid in states]
+            runs = {(st.namespace, st.flow) for st in live}
+            for cs in ts.who_wants or ():  # a client holding it outside its states: a lookup's futures
+                if cs.client_key != CACHE_CLIENT and not any(st.client == cs.client_key for st in live):
+                    runs |= self._usage.acquired_for(b.key, cs.client_key) or {(None, None)}
+            for w in ts.waiters or ():
+                h = self._held.get(w.key)
+                runs.add((h.namespace, h.flow) if h is not None and h.worker is None else (None, None))
+            known = runs and all(flow is not None for _, flow in runs) and not self._usage.leased(b.key, now)
+            out.append((b.nbytes, frozenset(runs) if known else None))
+        return out
 
     def _pick_worker(self, ts, held: Held) -> str | None:
         workers = self._scheduler.workers
@@ -246,16 +431,17 @@ class BudgetEnforcer:
         ws = sorted(workers.values(), key=lambda w: (len(w.processing), w.address))
         return ws[0].address if ws else None
 
-    def _decide(self, ts, held: Held, now: float, promised: dict | None = None,
-                running: bool = False) -> Verdict | None:
-        """The verdict for one parked task; None when no worker can take it.
+    def _decide(self, ts, held: Held, worker: str, now: float, promised: dict | None = None,
+                running: set | None = None) -> Verdict:
+        """The verdict for one parked task on ``worker``.
 
         ``promised``: worker -> bytes this pass already gave the task's gang there;
-        ``running``: a KV task admitted anywhere is still running.
+        ``running``: the workers where admitted KV tasks still run, given for the oldest task
+        waiting on its line - the one whose wait can be declared a deadlock (STUCK): when
+        nothing ran or was freed anywhere for ``admission-patience``, or when its line's room
+        has not grown for ``STARVING`` patiences while nothing admitted there runs (other
+        workers' progress may never free this one's room).
         """
-        worker = self._pick_worker(ts, held)
-        if worker is None:
-            return None
         budget = self._settings.kv_budget_bytes
         if budget is None:  # the budget was lifted meanwhile
             return Verdict(ADMIT, (), "", worker, 0)
@@ -269,9 +455,27 @@ class BudgetEnforcer:
             by_owner = self._reserved_by_owner(worker)
             by_owner[held.namespace] = by_owner.get(held.namespace, 0) + promised_here
             tenancy = Tenancy(held.namespace, self._quotas, wu.by_owner, by_owner)
-        d = admit(need, wu.used, reserved, budget, wu.blocks, now, running,
-                  now - max(held.since, self._progress_at), self._settings.admission_patience, worker, tenancy)
-        return Verdict(d.action, d.victims, d.reason, worker, need)
+        d = admit(need, wu.used, reserved, budget, wu.blocks, now, True, 0.0,
+                  self._settings.admission_patience, worker, tenancy)
+        action = d.action
+        if action == WAIT and running is not None:
+            patience = self._settings.admission_patience
+            unfreeable = reserved + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
+            grew_at = self._room_grew_at(self._line(worker, held.namespace), ts.key, unfreeable, now)
+            idle = not running and now - max(held.since, self._progress_at) >= patience
+            starving = worker not in running and now - max(held.since, grew_at) >= STARVING * patience
+            action = STUCK if idle or starving else WAIT
+        return Verdict(action, d.victims, d.reason, worker, need)
+
+    def _room_grew_at(self, line: tuple, key, unfreeable: int, now: float) -> float:
+        """When the room of ``line``'s oldest waiting task (``key``) last grew: the KV there
+        that eviction cannot free fell below its least so far. Progress elsewhere in the
+        cluster does not count: a worker whose line never moves is deadlocked however busy
+        the others are."""
+        floor = self._floors.get(line)
+        if floor is None or floor[0] != key or unfreeable < floor[1]:
+            floor = self._floors[line] = (key, unfreeable, now)
+        return floor[2]
 
     def _reserved_by_owner(self, worker: str) -> dict[str | None, int]:
         """Bytes promised to each namespace's admitted, running tasks on ``worker``."""

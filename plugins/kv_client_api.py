@@ -46,7 +46,7 @@ from .tenants import AccessDenied, Session, TenantRegistry
 
 RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
              "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
-             "kv_drop", "kv_workflow_done")
+             "kv_drop", "kv_workflow_done", "kv_run_done")
 
 
 class Arrivals:
@@ -137,7 +137,8 @@ class ClientHandlers:
         return ns is not None and s.sees(ns) and self._ownership.computed_by(key, ns)
 
     # -- reuse --------------------------------------------------------------------------------------
-    def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int) -> dict:
+    def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
+                      flow: str | None = None) -> dict:
         """Longest cached prefix of the caller's request, acquired for its client before this returns.
 
         ``keys``: the request's own chain keys (full blocks), ``tokens``: its tokens (for a
@@ -161,7 +162,7 @@ class ClientHandlers:
             usable_blocks.append(b)
         covered = (match.tokens if len(usable_blocks) == len(match.blocks)
                    else (usable_blocks[-1].end if usable_blocks else 0))
-        states = self._leases.acquire([b.key for b in usable_blocks], s.client)
+        states = self._leases.acquire([b.key for b in usable_blocks], s.client, _run(s, flow))
         blocks = []
         for b in usable_blocks:
             ts = self._scheduler.tasks[b.key]
@@ -176,10 +177,11 @@ class ClientHandlers:
             })
         return {"tokens": covered, "blocks": blocks}
 
-    def handle_acquire(self, session: str, keys: list[str]) -> dict[str, str]:
-        """Take a reference to blocks the caller already knows by key (its own namespace only)."""
+    def handle_acquire(self, session: str, keys: list[str], flow: str | None = None) -> dict[str, str]:
+        """Take a reference to blocks the caller already knows by key (its own namespace only).
+        ``flow``: the workflow run that will hold them (see ``kv_budget``)."""
         s = self._session(session)
-        return self._leases.acquire([k for k in _strings("keys", keys) if self._own(k, s)], s.client)
+        return self._leases.acquire([k for k in _strings("keys", keys) if self._own(k, s)], s.client, _run(s, flow))
 
     def handle_snapshot(self, session: str) -> dict:
         """What the planner needs: workers and their load, links, prefill profiles. No user data.
@@ -252,7 +254,7 @@ class ClientHandlers:
             v = meta.get(name, 0)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 31:
                 raise ValueError(f"state {sid}: {name} must be a non-negative integer")
-        for name in ("op", "worker"):
+        for name in ("op", "worker", "flow"):
             if meta.get(name) is not None and (not isinstance(meta[name], str) or len(meta[name]) > MAX_TEXT):
                 raise ValueError(f"state {sid}: {name} must be a short string")
         return {**meta, "block_keys": keys, "parents": _strings("parents", meta.get("parents", []))}
@@ -288,6 +290,14 @@ class ClientHandlers:
         cluster is one trust domain, and its namespaces are whatever callers say)."""
         s = self._session(session)
         self._timeline.workflow_done(time.time(), None if self._tenants.open else s.namespace, agents, ttft_s)
+
+    def handle_run_done(self, session: str, flow: str) -> None:
+        """A workflow run of the caller's ended (finished or failed): it holds nothing any more,
+        and its name's place in line is forgotten."""
+        s = self._session(session)
+        run = _run(s, flow)
+        self._leases.forget_run(run)
+        self._budget.forget_run(run)
 
     def handle_record_bandwidth(self, session: str, src: str, dst: str, bandwidth: float,
                                 latency: float | None = None) -> None:
@@ -334,3 +344,12 @@ class ClientHandlers:
             di.unwant(self._scheduler, [ts.key for ts in cs.wants_what], s.client, stimulus)
         self._events.record("drop", None, blocks=dropped, by=s.namespace)
         return dropped
+
+
+def _run(s, flow) -> tuple | None:
+    """The (namespace, workflow run) a caller says it works for; runs are per namespace."""
+    if flow is None:
+        return None
+    if not isinstance(flow, str) or len(flow) > MAX_TEXT:
+        raise ValueError(f"flow must be a string of at most {MAX_TEXT} characters")
+    return (s.namespace, flow)

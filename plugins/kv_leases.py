@@ -30,7 +30,7 @@ def usable(ts) -> bool:
 
 
 class LeaseBook:
-    __slots__ = ("_scheduler", "_catalog", "_settings", "_until", "_planned")
+    __slots__ = ("_scheduler", "_catalog", "_settings", "_until", "_planned", "_holders")
 
     def __init__(self, scheduler, catalog: KVCatalog, settings: KVSettings):
         self._scheduler = scheduler  # tasks and clients to want keys for
@@ -38,9 +38,11 @@ class LeaseBook:
         self._settings = settings  # lease_seconds, read at each acquisition
         self._until: dict = {}  # key -> time until which eviction leaves it alone
         self._planned: dict = {}  # key -> time until which eviction takes it last (announced reuse)
+        self._holders: dict = {}  # key -> {client: {(namespace, run), ...}}: runs it was acquired for
 
-    def acquire(self, keys: list, client: str | None) -> dict:
-        """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state."""
+    def acquire(self, keys: list, client: str | None, run: tuple | None = None) -> dict:
+        """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state.
+        ``run``: the (namespace, workflow run) the client acquires them for."""
         tasks = self._scheduler.tasks
         known = [k for k in dict.fromkeys(keys) if usable(tasks.get(k))]
         if not known:
@@ -49,6 +51,8 @@ class LeaseBook:
         for k in known:
             self._until[k] = now + self._settings.lease_seconds
             self._planned.pop(k, None)  # the announced reuse came: the lease takes over
+            if client is not None:
+                self._holders.setdefault(k, {}).setdefault(client, set()).add(run)
         if client in self._scheduler.clients:  # not a client that has gone meanwhile
             di.want(self._scheduler, known, client)
         di.want(self._scheduler, [k for k in known if k in self._catalog.blocks], CACHE_CLIENT)
@@ -56,6 +60,24 @@ class LeaseBook:
         if released:  # needed again after it left memory: Dask recomputes it from lineage
             di.recompute(self._scheduler, released, f"kv-acquire-{now}")
         return {k: tasks[k].state for k in known}
+
+    def acquired_for(self, key, client: str) -> set:
+        """The (namespace, workflow run)s ``client`` acquired ``key`` for that have not ended
+        (``forget_run``); ``(ns, None)`` among them: one acquisition said no run."""
+        return self._holders.get(key, {}).get(client, set())
+
+    def forget_run(self, run: tuple | None) -> None:
+        """A workflow run ended: what it acquired is no longer its to hold."""
+        if run is None:
+            return
+        for k in list(self._holders):
+            by_client = self._holders[k]
+            for c in list(by_client):
+                by_client[c].discard(run)
+                if not by_client[c]:
+                    del by_client[c]
+            if not by_client:
+                del self._holders[k]
 
     def is_leased(self, key, now: float) -> bool:
         return self._until.get(key, 0.0) > now
@@ -76,3 +98,12 @@ class LeaseBook:
         """Forget leases that ran out (the periodic check)."""
         self._until = {k: t for k, t in self._until.items() if t > now}
         self._planned = {k: t for k, t in self._planned.items() if t > now}
+        tasks = self._scheduler.tasks  # a holder counts while its client still wants the key
+        for k in list(self._holders):
+            ts = tasks.get(k)
+            wanting = {cs.client_key for cs in ts.who_wants or ()} if ts is not None else set()
+            kept = {c: r for c, r in self._holders[k].items() if c in wanting}
+            if kept:
+                self._holders[k] = kept
+            else:
+                del self._holders[k]

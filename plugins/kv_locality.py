@@ -59,7 +59,7 @@ class Locality:
                 for ws in (dts.who_has or ()) if dts is not None else ():
                     held[ws.address] += dts.get_nbytes()
             target = max(sorted(held), key=held.get) if held else None
-        if self._budget.hold(ts, target, note.kv_out, namespace, note.gang, note.gang_size):
+        if self._budget.hold(ts, target, note.kv_out, namespace, note.gang, note.gang_size, note.flow):
             pass  # the budget decides when (and whether) it goes to ``target``: see kv_budget
         elif target is not None and target in self._scheduler.workers:
             # Strict while the worker lives (no work stealing); loosened if it dies.

@@ -38,6 +38,7 @@ class ComputeNote:
     predicted_s: float | None  # seconds the plan expects it to run
     gang: str | None  # tasks that must start together (a parallel prefill's chunks)
     gang_size: int  # how many tasks the gang has
+    flow: str | None = None  # the workflow run it serves (admission's order under a budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,7 @@ def compute_note(note: dict) -> ComputeNote:
         predicted_s=_seconds(note, "predicted_s"),
         gang=gang,
         gang_size=_int(note, "gang_size", 1, MAX_GANG, default=1),
+        flow=_text(note, "flow", optional=True),
     )
 
 

@@ -62,6 +62,12 @@ class KVUsage:
         return {addr: sum(self.held_bytes(ts, ws) for ts in ws.has_what)
                 for addr, ws in self._scheduler.workers.items()}
 
+    def leased(self, key, now: float) -> bool:
+        return self._leases.is_leased(key, now)
+
+    def acquired_for(self, key, client: str) -> set:
+        return self._leases.acquired_for(key, client)
+
     def pinned(self, ts, now: float) -> bool:
         """A block this worker must keep: leased, read by a waiting/running task, or held by a state."""
         if self._leases.is_leased(ts.key, now) or ts.waiters:

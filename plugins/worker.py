@@ -19,6 +19,12 @@ refuses data put into this worker under a KV key without a task (``Client.scatte
 ``dask_internals.guard_worker_data``). When the worker closes, its pending store writes
 are drained first (``daskflow-kv.store.flush-timeout``).
 
+While Dask keeps the worker paused, the plugin returns freed memory to the OS every
+``TRIM_EVERY_S`` (``trim_memory``: Python's garbage, then the C allocator's free pages), as
+Dask's documentation advises for unmanaged memory by hand: a prefill's activations, freed
+but kept by the allocator, would otherwise hold the process over the pause threshold with
+nothing left to spill, and a cluster whose workers are all paused runs nothing.
+
 This module is imported by the scheduler (to pickle the plugins) and must not import torch:
 what needs it is imported in ``setup``, on the worker.
 """
@@ -26,8 +32,11 @@ what needs it is imported in ``setup``, on the worker.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
 import sys
+import time
 
 from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
@@ -40,6 +49,18 @@ from .kv_engines import merge
 from .tenants import AccessDenied
 
 logger = logging.getLogger("daskflow_kv.worker")
+TRIM_EVERY_S = 2.0  # how often a paused worker gives freed memory back
+
+
+def trim_memory() -> int:
+    """Collect Python's garbage, then return the C allocator's free pages to the OS
+    (glibc's ``malloc_trim``; elsewhere only the first). -> objects collected."""
+    found = gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return found
 
 
 class TorchSerializationPlugin(WorkerPlugin):
@@ -80,6 +101,7 @@ class KVWorkerPlugin(WorkerPlugin):
         self._sent: list[str] | None = None  # spilled keys as last reported
         self._engine: dict | None = None  # the step loop's counters as last reported
         self._token: str | None = None  # what the scheduler sent this worker; its reports carry it
+        self._trimmed = 0.0  # when freed memory was last given back while paused
         di.guard_worker_data(worker, refused_data)
         di.add_worker_handlers(worker, {REPORT_TOKEN_RPC: self.take_token})
         self._pc = PeriodicCallback(self.report, config.get_seconds("workers.report-interval") * 1000)
@@ -103,6 +125,9 @@ class KVWorkerPlugin(WorkerPlugin):
         return sorted(str(k) for k in di.spilled_keys(self.worker) if is_block(k))
 
     async def report(self) -> None:
+        if di.is_paused(self.worker) and time.monotonic() - self._trimmed >= TRIM_EVERY_S:
+            self._trimmed = time.monotonic()
+            await asyncio.to_thread(trim_memory)
         if self._token is None:
             return
         spilled = self.spilled()

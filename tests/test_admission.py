@@ -1,6 +1,6 @@
 """Admission under the KV budget on plain numbers, with and without tenants' quotas. Pure policy."""
 
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Tenancy, admit
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Tenancy, admit, runs_to_preempt
 from daskflow_kv.policy.eviction import BlockUsage
 
 NOW = 1000.0
@@ -54,3 +54,24 @@ def test_reserved_bytes_count_toward_a_tenants_quota():
     # alice has 400 B promised to her running task: her quota is in use, bob may fill the rest
     t = Tenancy("bob", QUOTAS, {}, {"alice": 400})
     assert admit(600, 0, 400, 1000, [], NOW, tenancy=t).action == ADMIT
+
+
+# -- whom to preempt when a line is deadlocked --------------------------------------------------
+def test_runs_to_preempt_takes_the_youngest_that_free_enough():
+    pins = [(100, frozenset({"young"})), (300, frozenset({"mid"})), (50, frozenset({"old"}))]
+    assert runs_to_preempt(pins, ["young", "mid", "old"], 80) == ["young"]
+    assert runs_to_preempt(pins, ["young", "mid", "old"], 250) == ["mid"]  # young alone falls short; mid suffices
+    assert runs_to_preempt(pins, ["young", "mid", "old"], 380) == ["young", "mid"]
+    assert runs_to_preempt(pins, ["young", "mid", "old"], 420) == ["young", "mid", "old"]
+
+
+def test_a_block_several_runs_share_is_freed_only_when_all_of_them_go():
+    pins = [(200, frozenset({"a", "b"})), (10, frozenset({"b"}))]
+    assert runs_to_preempt(pins, ["a", "b"], 150) == ["a", "b"]
+    assert runs_to_preempt(pins, ["b"], 150) == []  # a is no candidate (the waiting task's own run): b alone frees 10
+
+
+def test_what_no_preemption_frees_is_never_counted():
+    pins = [(500, None), (20, frozenset({"a"}))]  # leased, or kept by a reader no run claims
+    assert runs_to_preempt(pins, ["a"], 100) == []
+    assert runs_to_preempt(pins, ["a"], 0) == []  # nothing lacking: nobody goes

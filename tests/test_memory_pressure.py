@@ -12,3 +12,23 @@ def test_kv_spilled_to_disk_as_it_is_made_stays_exact_and_nothing_hangs():
     assert not out["hung"] and out["completed"] == 4, out["errors"]
     assert out["wrong"] == 0
     assert out["peak_spilled_disk_bytes"] > 0  # Dask really spilled KV blocks
+
+
+def test_a_paused_worker_gives_freed_heap_back_to_the_os():
+    """What ``KVWorkerPlugin`` does while Dask keeps a worker paused: freed memory that the
+    allocator kept (holes between live allocations) goes back, so process memory can fall
+    below the pause threshold again."""
+    import numpy as np
+    import psutil
+
+    from plugins.worker import trim_memory
+
+    proc = psutil.Process()
+    chunks = [np.ones(60_000, dtype=np.uint8) for _ in range(4000)]  # ~240 MB in heap-sized pieces
+    keep = chunks[1::2]  # every other one stays live: the freed ones are holes, not the heap's top
+    del chunks
+    before = proc.memory_info().rss
+    trim_memory()
+    after = proc.memory_info().rss
+    assert before - after > 50 * 2**20, (before, after)
+    assert len(keep) == 2000

@@ -26,6 +26,7 @@ from ..keys import PLUGIN_NAME
 from .chaos import _run, _tokens
 from .load_stream import Arrival, build, doc_sequence, documents
 
+STALL_S = 20.0  # no workflow finished for this long: the admission state is recorded
 GROWTH_LIMIT = 0.10  # +10 % from the end of warm-up to the end
 GAUGES = ("scheduler_rss", "workers_rss", "client_rss", "tasks", "catalog_blocks", "catalog_states", "events",
           "decisions", "sessions", "leases", "timeline_workflows", "store_writes_in_flight")
@@ -95,6 +96,12 @@ def growth(samples: list[dict], warmup_s: float, n: int = 3) -> dict:
     return out
 
 
+def _admission(dask_scheduler) -> dict:
+    from daskflow_kv.keys import PLUGIN_NAME
+
+    return dask_scheduler.plugins[PLUGIN_NAME].budget.snapshot()
+
+
 def _left_keys(dask_scheduler) -> dict:
     """KV keys still in the scheduler: the cache's (retained on purpose) and any other's."""
     from daskflow_kv.keys import CACHE_CLIENT, is_block
@@ -159,12 +166,19 @@ def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> d
         f"budget {budget / 2**20:.1f} MiB per worker")
     for th in threads:
         th.start()
-    samples = []
+    samples, stalls = [], []
+    last_count, last_change = 0, time.time()
     while any(th.is_alive() for th in threads) and time.time() < deadline + cfg.hang_s:
         g = gauges(clients[0])
         with lock:
             g.update(at_s=time.time() - t0, workflows=len(records))
         samples.append(g)
+        if g["workflows"] != last_count:
+            last_count, last_change = g["workflows"], time.time()
+        elif time.time() - last_change > STALL_S and len(stalls) < 20:  # nothing finished for a while: why
+            stalls.append({"at_s": g["at_s"], "admission": clients[0].run_on_scheduler(_admission)})
+            log(f"soak: no workflow finished for {time.time() - last_change:.0f} s; admission holds "
+                f"{len(stalls[-1]['admission']['held'])} tasks")
         log(f"soak: {g['at_s'] / 60:5.1f} min, {g['workflows']} workflows, scheduler RSS "
             f"{g['scheduler_rss'] / 2**20:.0f} MiB, catalog {g['catalog_blocks']} blocks")
         end = time.time() + cfg.sample_every
@@ -196,5 +210,5 @@ def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> d
         "growth_ok": all(v is None or v <= GROWTH_LIMIT for k, v in g.items()
                          if k not in ("timeline_workflows",)),  # a bounded ring fills by design
         "keys_left_after_clients_closed": left, "sessions_left": sessions_left,  # the observer has no KV session
-        "samples": samples,
+        "samples": samples, "stalls": stalls,
     }

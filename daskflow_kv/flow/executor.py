@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import validation
 from ..errors import KVPreempted
+from ..runtime.workflow_run import workflow_run
 from . import html_repr
 from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
 from .prompts import prompt_tokens
@@ -148,6 +149,14 @@ def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
 def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> WorkflowResult:
     """``parallel``: workers a group's shared prefix is prefilled over (KVRuntime.materialize:
     "auto", 1, W; None: ``daskflow-kv.parallel.materialize``)."""
+    with workflow_run(cw.workflow.name) as run:  # under a budget, its tasks keep this run's place in line
+        try:
+            return _run_levels(cw, rt, progress, parallel)
+        finally:
+            rt.end_run(run)
+
+
+def _run_levels(cw: CompiledWorkflow, rt, progress, parallel) -> WorkflowResult:
     wf = cw.workflow
     outputs: dict[str, str] = {}
     results: dict[str, AgentResult] = {}

@@ -102,3 +102,29 @@ def admit(need: int, held: int, reserved: int, budget: int, blocks: Iterable[Blo
            + (f" or kept for other tenants' quotas ({_mib(budget - room)} of them unused)" if others else "")
            + "; release states or raise daskflow-kv.kv-budget")
     return Admission(WAIT if (busy or waited < patience) else STUCK, reason=why)
+
+
+def runs_to_preempt(pins: Iterable[tuple[int, frozenset | None]], younger: list, lacking: int) -> list:
+    """Which workflow runs to preempt so that a waiting task finds the ``lacking`` bytes it
+    needs: the fewest, taken in order from ``younger`` (the candidates, youngest first).
+
+    pins: each pinned block as (bytes, the runs keeping it; None when something no
+    preemption frees keeps it too). A block is freed once every run keeping it is preempted.
+    -> the runs, or [] when even all of them would not free enough.
+    """
+    if lacking <= 0:
+        return []
+    pins = [(n, runs) for n, runs in pins if runs]
+    chosen: list = []
+    for run in younger:
+        chosen.append(run)
+        gone = set(chosen)
+        if sum(n for n, runs in pins if runs <= gone) >= lacking:
+            # Drop those whose release turned out not to matter (younger runs tried first).
+            for r in list(chosen[:-1]):
+                rest = gone - {r}
+                if sum(n for n, runs in pins if runs <= rest) >= lacking:
+                    chosen.remove(r)
+                    gone = rest
+            return chosen
+    return []

@@ -259,6 +259,14 @@ class KVRuntime:
         except Exception as e:  # noqa: BLE001
             logger.debug("daskflow-kv: workflow report not recorded: %s", e)
 
+    def end_run(self, run: str) -> None:
+        """Tell the scheduler workflow run ``run`` ended (finished or failed), after its
+        releases: under a budget it no longer holds anything. Never fails the caller."""
+        try:
+            self.plugin.run_done(run)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("daskflow-kv: end of run %s not recorded: %s", run, e)
+
     def wait(self, states: Sequence[DistKVState], timeout=None) -> None:
         wait([f for s in states for f in s.futures], timeout=timeout)
 

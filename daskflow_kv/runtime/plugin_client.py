@@ -18,11 +18,12 @@ from distributed import Client
 from distributed.client import FutureCancelledError
 from distributed.comm.core import CommClosedError
 
-from ..errors import SchedulerLost
+from ..errors import KVBudgetError, SchedulerLost
 
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
 from .session import KVSession, login
+from .workflow_run import current_run
 
 
 LOST_REASON = "scheduler-connection-lost"  # Dask's reason on the futures it cancels when the scheduler is lost
@@ -44,9 +45,22 @@ def gather(client: Client, futures: list):
         # of the traceback, whose futures would stay wanted (their blocks pinned against the KV
         # budget) until the garbage collector's next full pass. Those frames are done: clear them.
         traceback.clear_frames(e.__traceback__)
+        if isinstance(e, KVBudgetError):
+            # Dask keeps the task's error in its future and re-raises that very object: each
+            # frame it passes on its way up joins its traceback, so the futures in those frames
+            # keep themselves alive through it (a cycle only a full garbage collection breaks;
+            # a preempted workflow's lookups stayed pinned, and its room never came free). A
+            # budget error carries all it says in its message: raise a copy of our own.
+            raise type(e)(*e.args) from None
         if not (isinstance(e, FutureCancelledError) and e.reason == LOST_REASON):
             raise
         raise scheduler_lost(client, "the client lost its connection; Dask cancelled the work in flight") from e
+
+
+def _run_kw() -> dict:
+    """The workflow run a lookup serves: the plugin notes who holds what it hands out."""
+    run = current_run()
+    return {} if run is None else {"flow": run}
 
 
 @dataclass(slots=True, eq=False)
@@ -76,13 +90,14 @@ class PluginClient:
     def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:
         """The longest cached prefix of ``tokens`` (asked by its own chain ``keys``); the plugin
         acquires its blocks for this client before it answers."""
-        ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size)
+        ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size,
+                        **_run_kw())
         return PrefixMatch.from_answer(ans)
 
     def acquire(self, keys: Iterable[str]) -> list[str]:
         """Which of ``keys`` the scheduler knows in this namespace, each now acquired for this client."""
         keys = list(keys)
-        return list(self.call("kv_acquire", keys=keys)) if keys else []
+        return list(self.call("kv_acquire", keys=keys, **_run_kw())) if keys else []
 
     def register_states(self, metas: list[dict]) -> None:
         """Catalog new states (the plugin answers once it knows all their blocks)."""
@@ -116,6 +131,10 @@ class PluginClient:
     def workflow_done(self, agents: int, ttft_s: Sequence[float]) -> None:
         """A finished workflow, for the KV page's live plots (this namespace's)."""
         self.call("kv_workflow_done", agents=agents, ttft_s=list(ttft_s))
+
+    def run_done(self, flow: str) -> None:
+        """A workflow run of this session ended: it holds nothing any more (see ``kv_budget``)."""
+        self.call("kv_run_done", flow=flow)
 
     # -- introspection -------------------------------------------------------------------------------
     def counters(self) -> dict:

@@ -20,6 +20,7 @@ from ..state.fingerprint import Fingerprint
 from ..state.kv_state import KVState, LineageEvent
 from .handles import DistKVState
 from .plugin_client import PluginClient
+from .workflow_run import current_run
 
 if TYPE_CHECKING:
     from .kv_runtime import KVRuntime
@@ -78,4 +79,8 @@ class StateRegistry:
             }
             for d, detail in zip(descs, details)
         ]
+        run = current_run()
+        if run is not None:  # whose they are, should the budget need to preempt a run to make room
+            for meta in metas:
+                meta["flow"] = run
         self.plugin.register_states(metas)

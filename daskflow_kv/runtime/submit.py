@@ -15,6 +15,8 @@ graph optimization cannot drop. They carry no session token: the plugin knows wh
 is by the client stream it came on, and lets it run under its key only if the key carries
 this namespace's tag (``key``, ``keys.task_key``). It reads the annotations and drops them
 before any worker gets the task.
+
+A compute task submitted inside a ``workflow_run`` names its run (``flow``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..policy.placement import Placement
 from ..state.blocks import aligned_floor
 from ..store import worker_io as store_io
 from . import tasks
+from .workflow_run import current_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +114,12 @@ class Submitter:
 
     def _note(self, op: str, state_id: str, worker: str | None, reads: Sequence[str], decision: dict | None,
               first: bool, kv_out: int, **extra) -> dict:
-        return {"role": "compute", "op": op, "state_id": state_id, "target": worker,
+        note = {"role": "compute", "op": op, "state_id": state_id, "target": worker,
                 "reads": list(reads), "decision": decision, "first": first, "kv_out": kv_out, **extra}
+        run = current_run()
+        if run is not None:
+            note["flow"] = run
+        return note
 
     # -- tasks next to a compute task's output ------------------------------------------------------
     def block(self, key: str, meta: dict, worker: str | None, fn: Callable, *args) -> Future:

@@ -86,6 +86,7 @@ class StateEntry:
     client: str | None = None  # the Dask client that registered it: its states end when it leaves
     created: float = field(default_factory=time.time)
     status: str = "live"  # live | released
+    flow: str | None = None  # the workflow run that made it (whom the budget preempts to free it)
 
 
 class KVCatalog:
@@ -191,6 +192,7 @@ class KVCatalog:
             meta.get("worker"),
             namespace,
             client,
+            flow=meta.get("flow"),
         )
         self.states[st.state_id] = st
         for key in st.block_keys:

@@ -53,29 +53,34 @@ async def login(client, namespace: str = "tests", secret: str | None = None) -> 
     return token
 
 
-def kv_value(nbytes: int) -> np.ndarray:
+def kv_value(nbytes: int, *inputs) -> np.ndarray:
     return np.zeros(nbytes, dtype=np.uint8)
 
 
 def submit_block(client, session: str, worker: str, nbytes: int, start: int = 0, parent: str | None = None,
-                 state_id: str = "kvstate-test-000000000000", fn=None, key: str | None = None):
+                 state_id: str = "kvstate-test-000000000000", fn=None, key: str | None = None, source=None):
     """A cataloged block of ``nbytes`` on ``worker``, chained after ``parent`` (``session``'s
-    namespace's); ``fn``: its task body (default ``kv_value``); ``key``: a known content address."""
+    namespace's); ``fn``: its task body (default ``kv_value``); ``key``: a known content address;
+    ``source``: the compute task's future it is cut from."""
     key = key or block_key(secrets.token_hex(16), _NAMESPACES[session])
     meta = {"key": key, "start": start, "end": start + BLOCK_TOKENS, "nbytes": nbytes,
             "tokens": list(range(start, start + BLOCK_TOKENS)), "parent": parent, "fingerprint": FINGERPRINT,
             "root": FINGERPRINT, "state_id": state_id}
     with dask.annotate(kv={"role": "block", "meta": meta}):
-        return client.submit(fn or kv_value, nbytes, key=key, workers=[worker], pure=False)
+        return client.submit(fn or kv_value, nbytes, *([source] if source is not None else []), key=key,
+                             workers=[worker], pure=False)
 
 
 def submit_compute(client, session: str | None, target: str, fn=kv_value, *args, kv_out: int = 0,
-                   predicted_s: float | None = None, workers: list[str] | None = None):
-    """A KV compute task (a prefill's output key of ``session``'s namespace) the plan sends to ``target``."""
+                   predicted_s: float | None = None, workers: list[str] | None = None, flow: str | None = None):
+    """A KV compute task (a prefill's output key of ``session``'s namespace) the plan sends to
+    ``target``; ``flow``: the workflow run it serves."""
     note = {"role": "compute", "op": "prefill", "state_id": "kvstate-prefill-test",
             "target": target, "reads": [], "decision": None, "first": False, "kv_out": kv_out}
     if predicted_s is not None:
         note["predicted_s"] = predicted_s
+    if flow is not None:
+        note["flow"] = flow
     with dask.annotate(kv=note):
         return client.submit(fn, *args, key=task_key(PREFILL, _NAMESPACES.get(session, ""), "test"),
                              workers=workers or [target], pure=False)

@@ -87,6 +87,25 @@ async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only
     assert block.key in a.data
 
 
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
+async def test_a_line_whose_room_never_grows_is_deadlocked_however_busy_other_workers_are(c, s, a, b):
+    """Runs at work elsewhere that keep nothing on a cannot free room there: a's line is stuck."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    block = submit_block(c, token, a.address, 800)  # the client keeps it: pinned on a
+    await block
+    opened = gate("elsewhere")
+    running = submit_compute(c, token, b.address, wait_at_gate, "elsewhere", kv_out=10, flow="run-b")
+    await until(lambda: state_of(s, running.key) == "processing", what="b's task to start")
+    task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-a")
+    t0 = time.monotonic()
+    with pytest.raises(KVPreempted, match="preempted"):
+        await task
+    assert time.monotonic() - t0 < 5 and state_of(s, running.key) == "processing"
+    opened.set()
+    await running
+
+
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
 async def test_eviction_takes_the_lowest_score_and_cuts_chains_from_the_end(c, s, a, b):
     plugin = await start_plugin(s, evict_interval="50ms")  # no budget yet
@@ -182,12 +201,91 @@ async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a
     await until(lambda: state_of(s, older.key) == "no-worker", what="the older task to be parked")
     younger = submit_compute(c, token, a.address, kv_value, 400, kv_out=400)
     with pytest.raises(KVPreempted, match="preempted"):
-        await younger
+        await younger  # no run holds KV there: the line's youngest goes
     assert plugin.budget.awaiting_admission(older.key)  # the older one waits on, its patience anew
     [pre] = events(plugin, "preempt")
     assert pre["key"] == younger.key
     del held  # its client lets go: the older task runs
     assert len(await older) == 400
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_younger_task_that_would_fit_waits_behind_an_older_one_that_does_not(c, s, a, b):
+    """First come, first served per worker, as a serving engine's waiting queue: small
+    newcomers do not starve a large request by taking the room it waits for."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    held = submit_block(c, token, a.address, 600)
+    await held
+    older = submit_compute(c, token, a.address, kv_value, 500, kv_out=500)  # 600 + 500 > 1000
+    await until(lambda: state_of(s, older.key) == "no-worker", what="the older task to be parked")
+    younger = submit_compute(c, token, a.address, kv_value, 300, kv_out=300)  # 600 + 300 would fit
+    await until(lambda: state_of(s, younger.key) == "no-worker", what="the younger task to be parked")
+    await asyncio.sleep(0.5)  # ten admission passes
+    assert plugin.budget.awaiting_admission(younger.key) and plugin.budget.awaiting_admission(older.key)
+    del held
+    assert len(await older) == 500 and len(await younger) == 300  # 500 + 300 fit once the block may go
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_workflow_runs_later_tasks_go_before_runs_that_began_after_it(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    held = submit_block(c, token, a.address, 800)
+    await held
+    first = submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-old")
+    await until(lambda: state_of(s, first.key) == "no-worker", what="the old run's task to be parked")
+    other = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-new")
+    await until(lambda: state_of(s, other.key) == "no-worker", what="the new run's task to be parked")
+    later = submit_compute(c, token, a.address, kv_value, 150, kv_out=150, flow="run-old")  # submitted last
+    await until(lambda: state_of(s, later.key) == "no-worker", what="the old run's next task to be parked")
+    del held  # room for 1000: the old run's 400 + 150 go first; the new run's 500 no longer fits
+    assert len(await first) == 400 and len(await later) == 150
+    await asyncio.sleep(0.3)
+    assert plugin.budget.awaiting_admission(other.key)  # both outputs are held: 550 + 500 > 1000
+    del first
+    assert len(await other) == 500
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
+async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_that_holds_nothing(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    blocks = {}
+    for run in ("run-old", "run-mid"):  # each run's live state pins 400 bytes on a
+        blocks[run] = submit_block(c, token, a.address, 400)
+        await blocks[run]
+        await c.scheduler.kv_register_states(session=token, metas=[
+            {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
+             "tokens": 4, "worker": a.address, "flow": run}])
+    queued = {}
+    for run, nbytes in (("run-old", 400), ("run-mid", 300), ("run-new", 100)):  # in this order of arrival
+        queued[run] = submit_compute(c, token, a.address, kv_value, nbytes, kv_out=nbytes, flow=run)
+        await until(lambda: state_of(s, queued[run].key) == "no-worker", what=f"{run}'s task to be parked")
+    with pytest.raises(KVPreempted, match="a waiting workflow holding KV there"):
+        await queued["run-mid"]  # run-new is younger but holds nothing: preempting it frees nothing
+    [pre] = events(plugin, "preempt")
+    assert pre["key"] == queued["run-mid"].key
+    assert plugin.budget.awaiting_admission(queued["run-new"].key)
+    assert plugin.budget.awaiting_admission(queued["run-old"].key)
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_parked_task_its_workflow_let_go_is_dropped_though_the_cache_wants_its_blocks(c, s, a, b):
+    """The cache wants a block from its submission on; once the workflow gives up, a parked
+    prefill only the cache still waits for would pin its inputs for good."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    held = submit_block(c, token, a.address, 800)
+    await held
+    task = submit_compute(c, token, a.address, kv_value, 500, held, kv_out=500)  # reads the block: pins it
+    block = submit_block(c, token, a.address, 500, source=task)  # cut from it: the cache wants it already
+    keys = (task.key, block.key)
+    await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked")
+    del task, block  # the workflow gives up
+    await until(lambda: not any(k in s.tasks for k in keys), what="the orphaned chain to be forgotten")
+    assert not plugin.budget.is_held(keys[0]) and [e["blocks"] for e in events(plugin, "orphan-dropped")] == [1]
+    assert not s.tasks[held.key].waiters  # the input it pinned is the client's alone again
 
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
