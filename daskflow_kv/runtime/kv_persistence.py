@@ -121,4 +121,4 @@ class PersistentTier:
         return {"bandwidth": p.bandwidth, "latency": p.latency, "samples": len(self.samples)}
 
     def explain(self) -> str:
-        return "\n".join(explain_store(d) for d in self.decisions)
+        return "\n".join(explain_store(d) for d in list(self.decisions))  # other threads append meanwhile

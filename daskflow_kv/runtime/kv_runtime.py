@@ -246,8 +246,10 @@ class KVRuntime:
         return rows_to_arrow(self.plugin.catalog())
 
     def explain(self) -> str:
-        lines = [explain(d) for d in self.decisions]
-        lines += [f"parallel prefill over {p.width}: {p.reason}" for p in self.parallel_plans]
+        # Copied first (in one step, under the GIL): workflows on other threads of this runtime
+        # keep appending, and a deque iterated while it grows raises.
+        lines = [explain(d) for d in list(self.decisions)]
+        lines += [f"parallel prefill over {p.width}: {p.reason}" for p in list(self.parallel_plans)]
         return "\n".join(lines + ([self.explain_store()] if self.store_decisions else []))
 
     def note_workflow(self, agents: int, ttft_s: Sequence[float]) -> None:
