@@ -25,10 +25,11 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="tokens per document")
     ap.add_argument("--baseline-fraction", type=float, default=0.66,
                     help="the model-loaded worker's share of its memory_limit")
+    ap.add_argument("--hang-s", type=float, default=900.0, help="the stream still running this long counts as hung")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "memory_pressure.json")
     args = ap.parse_args(argv)
     out = run_memory_pressure(args.model, workflows=args.docs, docs=args.docs, context=args.context,
-                              baseline_fraction=args.baseline_fraction, log=log)
+                              baseline_fraction=args.baseline_fraction, hang_s=args.hang_s, log=log)
     write_json(args.out, {"command": command_line(), "machine": machine_info(), **out})
     log(f"wrote {args.out}: {out['completed']}/{out['workflows']} exact (wrong {out['wrong']}, hung {out['hung']}); "
         f"working set {out['working_set_over_limit']:.2f}x the limit, peak spilled "

@@ -45,6 +45,7 @@ from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_events import EventLog
 from .kv_settings import KVSettings
+from .kv_runs import RunLedger, pending_only_for_cache
 from .kv_usage import KVUsage
 
 logger = logging.getLogger("daskflow_kv.scheduler")
@@ -79,29 +80,7 @@ class Verdict(NamedTuple):
 
 STARVING = 6  # patiences a line's room may not grow, however busy other workers are, before it counts as stuck
 ORPHAN_CHECK_S = 1.0  # how often parked tasks are checked for a workflow that let them go
-MAX_FLOWS = 4096  # workflow runs remembered for their place in line (the oldest-seen go first)
-FLOW_IDLE_S = 300.0  # a run with no task for this long is forgotten: a reused name starts anew
-MAX_SENIORITY_S = 600.0  # a run's place in line dates back at most this far (a name kept for ever jumps no line)
 
-
-def _pending_only_for_cache(ts, limit: int = 512) -> set | None:
-    """The not-yet-computed keys downstream of ``ts`` that only the cache wants, when nothing
-    else downstream (or ``ts`` itself) is wanted by a client; None when something is."""
-    seen, stack, cache_only = {ts.key}, [ts], set()
-    while stack:
-        t = stack.pop()
-        wanters = {cs.client_key for cs in t.who_wants or ()}
-        if wanters - {CACHE_CLIENT} or t.state == "memory" and t is not ts:
-            return None  # a client still waits for it, or it is made already (the cache keeps that)
-        if CACHE_CLIENT in wanters:
-            cache_only.add(t.key)
-        for d in t.dependents:
-            if d.key not in seen:
-                if len(seen) >= limit:
-                    return None
-                seen.add(d.key)
-                stack.append(d)
-    return cache_only
 
 
 def _run_of(unit: list) -> tuple:
@@ -117,7 +96,7 @@ def _rank(unit: list) -> tuple:
 
 class BudgetEnforcer:
     __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
-                 "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at", "_floors", "_flows",
+                 "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at", "_floors", "_runs",
                  "_orphans_checked")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
@@ -139,7 +118,7 @@ class BudgetEnforcer:
         # line -> (its oldest waiting task, the least KV eviction could not free there while it
         # waited, since when): how long its room has not grown, however busy the cluster is
         self._floors: dict[tuple, tuple] = {}
-        self._flows: dict[tuple, list[float]] = {}  # (namespace, run) -> [first seen, last seen]
+        self._runs = RunLedger(scheduler, catalog, usage)  # workflow runs: their place in line, what they pin
         self._orphans_checked = 0.0  # when parked tasks nobody needs were last let go
 
     # -- what other parts ask ---------------------------------------------------------------------
@@ -219,33 +198,13 @@ class BudgetEnforcer:
             return False
         now = time.time()
         self._held[ts.key] = Held(target, int(out_bytes), namespace, now, gang=gang, gang_size=int(gang_size),
-                                  rank=self._flow_start(namespace, flow, now), flow=flow)
+                                  rank=self._runs.start(namespace, flow, now), flow=flow)
         di.pin(self._scheduler, ts, HOLD_WORKER)
         return True
 
-    def _flow_start(self, namespace: str | None, flow: str | None, now: float) -> float:
-        """When run ``flow`` of ``namespace`` was first seen (runs are per namespace: a tenant
-        cannot borrow another's place), at most ``MAX_SENIORITY_S`` ago; ``now`` without one."""
-        if flow is None:
-            return now
-        seen = self._flows.get((namespace, flow))
-        if seen is None or now - seen[1] > FLOW_IDLE_S:
-            if len(self._flows) >= MAX_FLOWS:
-                self._forget_flows(now)
-            seen = self._flows[(namespace, flow)] = [now, now]
-        seen[1] = now
-        return max(seen[0], now - MAX_SENIORITY_S)
-
     def forget_run(self, run: tuple | None) -> None:
         """A workflow run ended: its name's place in line is forgotten."""
-        if run is not None:
-            self._flows.pop(run, None)
-
-    def _forget_flows(self, now: float) -> None:
-        """Make room: runs idle for ``FLOW_IDLE_S`` go, else the least recently seen quarter."""
-        idle = [k for k, (_, last) in self._flows.items() if now - last > FLOW_IDLE_S]
-        for k in idle or sorted(self._flows, key=lambda k: self._flows[k][1])[: MAX_FLOWS // 4]:
-            del self._flows[k]
+        self._runs.forget(run)
 
     def transition(self, key, start: str, finish: str) -> None:
         held = self._held.get(key)
@@ -297,7 +256,7 @@ class BudgetEnforcer:
         drop: set = set()
         for key, held in list(self._held.items()):
             ts = self._scheduler.tasks.get(key)
-            pending = _pending_only_for_cache(ts) if held.worker is None and ts is not None else None
+            pending = pending_only_for_cache(ts) if held.worker is None and ts is not None else None
             if pending:
                 drop |= pending
                 self._events.record("orphan-dropped", held.namespace, key=str(key), blocks=len(pending))
@@ -369,7 +328,7 @@ class BudgetEnforcer:
             for unit, verdicts in by_age:
                 if _run_of(unit) != _run_of(oldest[0]):
                     others.setdefault(_run_of(unit), (unit, verdicts))
-            runs = runs_to_preempt(self._pins_by_run(line[0]), list(others), lacking)
+            runs = runs_to_preempt(self._runs.pins_on(line[0], self._held), list(others), lacking)
             if runs:
                 why = blocked[line] + "; preempted (a waiting workflow holding KV there, the youngest such) so the " \
                                       "oldest waiting there can run: retry it"
@@ -390,32 +349,6 @@ class BudgetEnforcer:
                 self._events.record("preempt", held.namespace, worker=v.worker, key=str(key), reason=reason)
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
-
-    def _pins_by_run(self, worker: str) -> list[tuple[int, frozenset | None]]:
-        """Each pinned KV block in memory on ``worker``: (bytes, the workflow runs keeping it -
-        its live states' and its waiting readers'); None when something else keeps it too (a
-        lease, a reader or state no run claims), which no preemption frees."""
-        ws = self._scheduler.workers.get(worker)
-        if ws is None:
-            return []
-        now = time.time()
-        out = []
-        states = self._catalog.states
-        for b in self._usage.usage(ws, now).blocks:
-            ts = self._scheduler.tasks.get(b.key)
-            if not b.pinned or ts is None:
-                continue
-            live = [states[sid] for sid in self._catalog.live_holders.get(b.key, ()) if sid in states]
-            runs = {(st.namespace, st.flow) for st in live}
-            for cs in ts.who_wants or ():  # a client holding it outside its states: a lookup's futures
-                if cs.client_key != CACHE_CLIENT and not any(st.client == cs.client_key for st in live):
-                    runs |= self._usage.acquired_for(b.key, cs.client_key) or {(None, None)}
-            for w in ts.waiters or ():
-                h = self._held.get(w.key)
-                runs.add((h.namespace, h.flow) if h is not None and h.worker is None else (None, None))
-            known = runs and all(flow is not None for _, flow in runs) and not self._usage.leased(b.key, now)
-            out.append((b.nbytes, frozenset(runs) if known else None))
-        return out
 
     def _pick_worker(self, ts, held: Held) -> str | None:
         workers = self._scheduler.workers
