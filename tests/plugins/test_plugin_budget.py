@@ -64,15 +64,29 @@ async def test_a_kv_task_that_can_never_fit_fails_with_the_budget_in_its_error(c
     assert not plugin.budget.is_held(task.key)
 
 
-@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
-async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only_on_a_deadlock(c, s, a, b):
+async def _budget_with_pinned(c, s, worker: str, nbytes: int):
+    """A budget of 1000 and a block of ``nbytes`` on ``worker`` the client keeps (pinned).
+    -> plugin, token, block."""
     plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
     token = await login(c)
-    block = submit_block(c, token, a.address, 800)  # the client keeps it: pinned on a
+    block = submit_block(c, token, worker, nbytes)
     await block
-    opened = gate("stream")
-    running = submit_compute(c, token, b.address, wait_at_gate, "stream", kv_out=10)  # a KV task at work on b
+    return plugin, token, block
+
+
+async def _a_full_and_b_at_work(c, s, a, b, gate_name: str, flow: str | None = None):
+    """A budget of 1000 with 800 pinned on a (the client keeps its block) and a KV task at work
+    on b until ``gate_name`` opens. -> plugin, token, block, gate, running task."""
+    plugin, token, block = await _budget_with_pinned(c, s, a.address, 800)
+    opened = gate(gate_name)
+    running = submit_compute(c, token, b.address, wait_at_gate, gate_name, kv_out=10, flow=flow)
     await until(lambda: state_of(s, running.key) == "processing", what="b's task to start")
+    return plugin, token, block, opened, running
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
+async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only_on_a_deadlock(c, s, a, b):
+    plugin, token, block, opened, running = await _a_full_and_b_at_work(c, s, a, b, "stream")
     task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500)
     await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked")
     await asyncio.sleep(1.5)  # three patiences: it waits in line, since b's task may still free room
@@ -90,13 +104,7 @@ async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
 async def test_a_line_whose_room_never_grows_is_deadlocked_however_busy_other_workers_are(c, s, a, b):
     """Runs at work elsewhere that keep nothing on a cannot free room there: a's line is stuck."""
-    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
-    token = await login(c)
-    block = submit_block(c, token, a.address, 800)  # the client keeps it: pinned on a
-    await block
-    opened = gate("elsewhere")
-    running = submit_compute(c, token, b.address, wait_at_gate, "elsewhere", kv_out=10, flow="run-b")
-    await until(lambda: state_of(s, running.key) == "processing", what="b's task to start")
+    plugin, token, block, opened, running = await _a_full_and_b_at_work(c, s, a, b, "elsewhere", flow="run-b")
     task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-a")
     t0 = time.monotonic()
     with pytest.raises(KVPreempted, match="preempted"):
@@ -213,10 +221,7 @@ async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a
 async def test_a_younger_task_that_would_fit_waits_behind_an_older_one_that_does_not(c, s, a, b):
     """First come, first served per worker, as a serving engine's waiting queue: small
     newcomers do not starve a large request by taking the room it waits for."""
-    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
-    token = await login(c)
-    held = submit_block(c, token, a.address, 600)
-    await held
+    plugin, token, held = await _budget_with_pinned(c, s, a.address, 600)
     older = submit_compute(c, token, a.address, kv_value, 500, kv_out=500)  # 600 + 500 > 1000
     await until(lambda: state_of(s, older.key) == "no-worker", what="the older task to be parked")
     younger = submit_compute(c, token, a.address, kv_value, 300, kv_out=300)  # 600 + 300 would fit
@@ -229,10 +234,7 @@ async def test_a_younger_task_that_would_fit_waits_behind_an_older_one_that_does
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
 async def test_a_workflow_runs_later_tasks_go_before_runs_that_began_after_it(c, s, a, b):
-    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
-    token = await login(c)
-    held = submit_block(c, token, a.address, 800)
-    await held
+    plugin, token, held = await _budget_with_pinned(c, s, a.address, 800)
     first = submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-old")
     await until(lambda: state_of(s, first.key) == "no-worker", what="the old run's task to be parked")
     other = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-new")
@@ -274,10 +276,7 @@ async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_
 async def test_a_parked_task_its_workflow_let_go_is_dropped_though_the_cache_wants_its_blocks(c, s, a, b):
     """The cache wants a block from its submission on; once the workflow gives up, a parked
     prefill only the cache still waits for would pin its inputs for good."""
-    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
-    token = await login(c)
-    held = submit_block(c, token, a.address, 800)
-    await held
+    plugin, token, held = await _budget_with_pinned(c, s, a.address, 800)
     task = submit_compute(c, token, a.address, kv_value, 500, held, kv_out=500)  # reads the block: pins it
     block = submit_block(c, token, a.address, 500, source=task)  # cut from it: the cache wants it already
     keys = (task.key, block.key)
