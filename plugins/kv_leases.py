@@ -52,7 +52,7 @@ class LeaseBook:
             self._until[k] = now + self._settings.lease_seconds
             self._planned.pop(k, None)  # the announced reuse came: the lease takes over
             if client is not None:
-                self._holders.setdefault(k, {}).setdefault(client, set()).add(run)
+                self._holders.setdefault(k, {}).setdefault(client, set()).add(run or (None, None))
         if client in self._scheduler.clients:  # not a client that has gone meanwhile
             di.want(self._scheduler, known, client)
         di.want(self._scheduler, [k for k in known if k in self._catalog.blocks], CACHE_CLIENT)
@@ -63,7 +63,7 @@ class LeaseBook:
 
     def acquired_for(self, key, client: str) -> set:
         """The (namespace, workflow run)s ``client`` acquired ``key`` for that have not ended
-        (``forget_run``); ``(ns, None)`` among them: one acquisition said no run."""
+        (``forget_run``); ``(None, None)`` among them: one acquisition said no run."""
         return self._holders.get(key, {}).get(client, set())
 
     def forget_run(self, run: tuple | None) -> None:

@@ -260,6 +260,9 @@ async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_
         await c.scheduler.kv_register_states(session=token, metas=[
             {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
              "tokens": 4, "worker": a.address, "flow": run}])
+    loose = submit_block(c, token, a.address, 100)  # held by a lookup no run claims: nobody's to free
+    await loose
+    await c.scheduler.kv_acquire(session=token, keys=[loose.key])
     queued = {}
     for run, nbytes in (("run-old", 400), ("run-mid", 300), ("run-new", 100)):  # in this order of arrival
         queued[run] = submit_compute(c, token, a.address, kv_value, nbytes, kv_out=nbytes, flow=run)
