@@ -4,7 +4,11 @@ Dask's memory manager must spill KV blocks to disk (and may pause workers); noth
 deadlock and every workflow must give text replay's tokens. See
 ``daskflow_kv/bench/memory_pressure.py``.
 
-    python benchmarks/memory_pressure.py      # SmolLM2-135M, 16 documents of 2048 tokens, 2 workers
+    python benchmarks/memory_pressure.py      # SmolLM2-135M, 24 documents of 2048 tokens, 2 workers
+
+The default limit (the model-loaded worker at half of it) leaves room for one 2,048-token
+prefill below Dask's pause threshold, while the documents' KV (24 x 2,048 tokens) does not
+fit: a limit under one task's own need can only end in the nanny killing the worker.
 
 Writes benchmarks/results/memory_pressure.json (or --out).
 """
@@ -21,9 +25,9 @@ from daskflow_kv.bench.memory_pressure import run_memory_pressure
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--docs", type=int, default=24)
     ap.add_argument("--context", type=int, default=2048, help="tokens per document")
-    ap.add_argument("--baseline-fraction", type=float, default=0.66,
+    ap.add_argument("--baseline-fraction", type=float, default=0.5,
                     help="the model-loaded worker's share of its memory_limit")
     ap.add_argument("--hang-s", type=float, default=900.0, help="the stream still running this long counts as hung")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "memory_pressure.json")

@@ -279,6 +279,65 @@ def has_running_worker(scheduler) -> bool:
     return bool(scheduler.running)
 
 
+# -- scheduler side: Dask's history of task groups, kept bounded ---------------------------------
+# Dask drops a TaskGroup from ``scheduler.task_groups`` once all its tasks are forgotten, but the
+# span that saw it, and the deprecated ``Computation``, keep it for the scheduler's life, and a new
+# default span is opened whenever the last one is done (dask/distributed#7977). A KV stream
+# empties and re-creates its groups (``prefill``, ``kvresult-...``) with nearly every workflow, so
+# a never-restarted scheduler grows by a span and its dead groups per workflow (~15 KiB measured).
+def prune_dead_groups(scheduler) -> int:
+    """Forget forgotten TaskGroups in the Computations and in the default spans that still hold
+    a live one (a span's ``stop`` needs a group); -> how many references were dropped. User
+    spans keep theirs: they end with the user's ``span`` block."""
+    live = scheduler.task_groups
+
+    def dead(groups) -> list:
+        return [tg for tg in groups if live.get(tg.name) is not tg]
+
+    dropped = 0
+    for comp in scheduler.computations:
+        gone = dead(comp.groups)
+        comp.groups.difference_update(gone)
+        dropped += len(gone)
+    for span in default_spans(scheduler):
+        gone = dead(span.groups)
+        if len(gone) < len(span.groups):
+            span.groups.difference_update(gone)
+            dropped += len(gone)
+    return dropped
+
+
+def default_spans(scheduler) -> list:
+    """The spans Dask opened for tasks no ``span`` block names, oldest first."""
+    ext = scheduler.extensions.get("spans")
+    return list(ext.spans_search_by_name.get(("default",), ())) if ext is not None else []
+
+
+def span_is_dead(scheduler, span) -> bool:
+    """``span`` is a childless default span whose every group the scheduler has forgotten."""
+    live = scheduler.task_groups
+    return not span.children and all(live.get(tg.name) is not tg for tg in span.groups)
+
+
+def drop_spans(scheduler, spans) -> None:
+    """Remove dead default spans from the spans extension's indexes. A worker heartbeat that
+    still names one fails and the worker closes itself, so callers wait until every worker
+    has sent a heartbeat collected after the span died (``oldest_heartbeat``)."""
+    ext = scheduler.extensions["spans"]
+    gone = {id(sp) for sp in spans}
+    for sp in spans:
+        ext.spans.pop(sp.id, None)
+    for index in (ext.root_spans, *ext.spans_search_by_name.values(), *ext.spans_search_by_tag.values()):
+        index[:] = [sp for sp in index if id(sp) not in gone]
+
+
+def oldest_heartbeat(scheduler) -> float:
+    """When the worker heard from least recently last sent a heartbeat (now without workers)."""
+    import time
+
+    return min((ws.last_seen for ws in scheduler.workers.values()), default=time.time())
+
+
 def drop_replica(scheduler, worker: str, keys: Collection, stimulus_id: str) -> None:
     """Forget ``worker``'s copy of keys other workers also hold (what the AMM asks for)."""
     scheduler.request_remove_replicas(worker, list(keys), stimulus_id=stimulus_id)

@@ -55,6 +55,11 @@ class SchedulerLost(DaskflowKVError, ConnectionError):
     same persistent store reads what was stored instead of prefilling it again."""
 
 
+class ClientClosed(DaskflowKVError, RuntimeError):
+    """The runtime's Dask client was closed while a call still needed it (a thread outlived
+    the ``with Client(...)`` block): nothing was sent."""
+
+
 class OpenSchedulerError(InvalidInputError):
     """A client holds a tenant's secret but the scheduler has no tenants: it would act as an admin
     of one shared trust domain (``daskflow-kv.open-scheduler: warn`` allows it)."""

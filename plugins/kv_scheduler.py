@@ -36,7 +36,9 @@ object with its own state (built at ``start``, given the parts it calls):
 * ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself;
 * ``engines`` (``kv_engines``): each worker's continuous-batching loop (batch, step time, queue);
 * ``timeline`` (``kv_timeline``): finished workflows and periodic samples, for the KV page's
-  live plots.
+  live plots;
+* ``span_history`` (``kv_span_history``): Dask's spans forget the task groups a KV stream
+  keeps re-creating, so a long-running scheduler does not grow with the workflows served.
 
 And an Active Memory Manager policy that drops extra replicas of everything but KV blocks:
 their replicas are placed on purpose (the budget, not the AMM, decides when they go).
@@ -78,6 +80,7 @@ from .kv_queue import QueueTracker
 from .kv_engines import EngineGauges
 from .kv_reports import WorkerReports
 from .kv_settings import KVSettings
+from .kv_span_history import SpanHistory
 from .kv_tiers import TierTracker
 from .kv_timeline import KVTimeline
 from .kv_usage import KVUsage
@@ -177,6 +180,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.reports = WorkerReports(s, self._accept_report)
         self.engines = EngineGauges()
         self.timeline = KVTimeline()
+        self.span_history = SpanHistory(s)
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
         self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
@@ -220,6 +224,10 @@ class KVSchedulerPlugin(SchedulerPlugin):
             self.budget.enforce()
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv periodic check failed")
+        try:
+            self.span_history.prune(now)
+        except Exception:  # Dask's bookkeeping is best effort: never at the budget's expense
+            logger.exception("daskflow-kv span history pruning failed")
         if self.timeline.due(now):
             try:
                 self._sample_timeline(now)

@@ -147,6 +147,39 @@ async def test_guarded_keys_cannot_be_scattered(c, s, a, b):
     assert await c.scatter({"plain-key": 3}) is not None  # other keys as usual
 
 
+def _inc(x):
+    return x + 1
+
+
+@gen_cluster(client=True)
+async def test_dead_task_groups_and_default_spans_are_forgotten(c, s, a, b):
+    """A stream that empties and re-creates its groups leaves Dask a default span and dead groups
+    per round (dask/distributed#7977); pruning forgets them and the scheduler works on."""
+    busy = c.submit(_inc, 0, key="kept-0")  # a live group: its span stays
+    await busy
+    for i in range(6):
+        p = c.submit(_inc, i, key=f"prefill-{i:08x}a", pure=False)
+        assert await c.submit(_inc, p, key=f"kvresult-{i:08x}a", pure=False) == i + 2
+        del p
+        while any(k.startswith(("prefill", "kvresult")) for k in s.tasks):  # forgotten: the groups die
+            await asyncio.sleep(0.01)
+    spans = di.default_spans(s)
+    assert len(spans) >= 6 and sum(di.span_is_dead(s, sp) for sp in spans) >= 5
+    held = sum(len(comp.groups) for comp in s.computations)
+    assert di.prune_dead_groups(s) > 0 and sum(len(comp.groups) for comp in s.computations) < held
+    dead = [sp for sp in spans[:-1] if di.span_is_dead(s, sp)]
+    died = time.time()
+    while di.oldest_heartbeat(s) < died + 0.5:  # every worker has reported the spans' metrics
+        await asyncio.sleep(0.05)
+    di.drop_spans(s, dead)
+    ext = s.extensions["spans"]
+    assert not any(sp.id in ext.spans or sp in ext.root_spans for sp in dead)
+    assert busy.key in s.tasks and s.tasks[busy.key].group.span_id in ext.spans  # the live span kept
+    assert await c.submit(_inc, 1, key="prefill-after", pure=False) == 2  # a new default span opens
+    await asyncio.sleep(1.5)  # heartbeats (with span metrics) still land
+    assert a.status.name == b.status.name == "running"
+
+
 async def until(pred, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not pred():
@@ -351,3 +384,12 @@ def test_the_distributed_release_is_one_we_pin():
     assert distributed.__version__ in req.specifier, str(req)
     assert any(s.operator == "<" for s in req.specifier), "distributed needs an upper bound: " + str(req)
 
+
+
+def test_a_dead_span_is_dropped_only_once_every_worker_reported_after_it_died():
+    from daskflow_kv.plugins.kv_span_history import HEARTBEAT_MARGIN_S, SPAN_DEAD_S, spans_to_drop
+
+    dead = {"old": 100.0, "new": 100.0 + SPAN_DEAD_S}
+    now = 100.0 + SPAN_DEAD_S + 1
+    assert spans_to_drop(dead, now, oldest_heartbeat=100.0 + HEARTBEAT_MARGIN_S) == ["old"]
+    assert spans_to_drop(dead, now, oldest_heartbeat=100.0 + HEARTBEAT_MARGIN_S - 1) == []  # a silent worker

@@ -306,3 +306,29 @@ def test_a_worker_not_calibrated_yet_is_estimated_from_the_measured_ones():
     est = v.with_fallbacks()
     assert est.profile(c) == PROFILE and est.link(A, c).bandwidth == 1e8 and est.link(A, B).bandwidth == 1e9
     assert replace(v, default_bandwidth=None).with_fallbacks().link(A, c) is None  # nothing to guess from
+
+
+def test_a_cluster_whose_measured_workers_all_left_is_estimated_from_a_remembered_profile():
+    """Every worker restarted (memory pressure, chaos): no live profile, so the median seen
+    before stands in; with none remembered either there is nothing to estimate from."""
+    c, d = "tcp://c:3", "tcp://d:4"
+    v = replace(_view(bandwidth=1e9), workers={c: WorkerLoad(), d: WorkerLoad()}, prefill={}, default_bandwidth=1e8)
+    assert v.with_fallbacks().profile(c) is None
+    est = v.with_fallbacks(PROFILE)
+    assert est.profile(c) == est.profile(d) == PROFILE
+    out = plan_placements(est, _match(cached=False), [0], 1, new_tokens=[64], max_new_tokens=4)
+    assert out[0].worker in (c, d)
+
+
+def test_the_planner_remembers_the_last_measured_median():
+    from types import SimpleNamespace
+
+    from daskflow_kv.policy.cluster_view import median_profile
+    from daskflow_kv.runtime.planner import Planner
+
+    slow, mid, fast = PrefillProfile(0, 0.03, 0), PrefillProfile(0, 0.02, 0), PrefillProfile(0, 0.01, 0)
+    assert median_profile([slow, fast, mid]) == mid and median_profile([]) is None
+    views = [replace(_view(), prefill={A: slow, B: mid, C: fast}), replace(_view(), prefill={})]
+    planner = Planner(SimpleNamespace(snapshot=lambda *_: views.pop(0)), calibrator=None)
+    planner.view()
+    assert planner.view().prefill == {} and planner.remembered == mid  # kept after every worker left

@@ -7,7 +7,7 @@ import dask
 import pytest
 from distributed import Client
 
-from daskflow_kv.errors import SchedulerLost
+from daskflow_kv.errors import ClientClosed, SchedulerLost
 from daskflow_kv.runtime.cluster import local_cluster
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 
@@ -25,6 +25,8 @@ def test_a_call_after_the_scheduler_died_names_it_and_does_not_hang():
                 rt.counters()
             assert time.time() - t0 < 30
             client.close(timeout=5)
+            with pytest.raises(ClientClosed, match="client is closed"):  # a thread that outlived the client
+                rt.counters()
 
 
 def test_the_scheduler_killed_mid_stream_fails_fast_and_a_new_cluster_resumes_from_the_store(tmp_path):

@@ -29,7 +29,8 @@ from .load_stream import Arrival, build, doc_sequence, documents
 STALL_S = 20.0  # no workflow finished for this long: the admission state is recorded
 GROWTH_LIMIT = 0.10  # +10 % from the end of warm-up to the end
 GAUGES = ("scheduler_rss", "workers_rss", "client_rss", "tasks", "catalog_blocks", "catalog_states", "events",
-          "decisions", "sessions", "leases", "timeline_workflows", "store_writes_in_flight")
+          "decisions", "sessions", "leases", "timeline_workflows", "store_writes_in_flight", "dask_spans",
+          "dask_span_groups")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ def _scheduler_gauges(dask_scheduler) -> dict:
     from daskflow_kv.keys import PLUGIN_NAME
 
     p = dask_scheduler.plugins[PLUGIN_NAME]
-    return {"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
+    spans = dask_scheduler.extensions["spans"].spans.values()
+    return {"dask_spans": len(spans), "dask_span_groups": sum(len(sp.groups) for sp in spans),"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
             "catalog_blocks": len(p.catalog.blocks), "catalog_states": len(p.catalog.states),
             "events": len(p.event_log.events()), "decisions": len(p.event_log.decisions()),
             "sessions": len(p.tenants), "leases": p.leases.held(), "timeline_workflows": p.timeline.held()}

@@ -70,6 +70,12 @@ class WorkerLoad:
                    float(row.get("busy_s", 0.0)))
 
 
+def median_profile(profiles) -> PrefillProfile | None:
+    """The middle of ``profiles`` ordered by their coefficients; None when there are none."""
+    ordered = sorted(profiles, key=lambda q: (q.a, q.b, q.c))
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def _pairs(d: Mapping | None) -> dict[tuple[str, str], float]:
     """``{"src->dst": value}`` keyed by (src, dst)."""
     out = {}
@@ -91,6 +97,7 @@ class ClusterView:
     kv_budget_bytes: int | None = None  # KV bytes each worker may hold (None: no budget)
     default_bandwidth: float | None = None  # Dask's own bytes/s guess for a pair nobody measured
     estimate_gaps: bool = False  # unmeasured links and profiles are estimated (``with_fallbacks``)
+    remembered_prefill: PrefillProfile | None = None  # a profile measured on workers that have all left since
 
     @classmethod
     def from_snapshot(cls, snap: Mapping, bandwidth_override=None, prefill_override=None) -> ClusterView:
@@ -120,9 +127,8 @@ class ClusterView:
 
     def profile(self, worker: str) -> PrefillProfile | None:
         p = self.prefill_override or self.prefill.get(worker)
-        if p is None and self.estimate_gaps and self.prefill:
-            measured = sorted(self.prefill.values(), key=lambda q: (q.a, q.b, q.c))
-            p = measured[len(measured) // 2]
+        if p is None and self.estimate_gaps:
+            p = median_profile(self.prefill.values()) or self.remembered_prefill
         return p
 
     def busy(self, worker: str | None) -> float:
@@ -136,13 +142,15 @@ class ClusterView:
         pool = [w for w in pool if w in self.workers]
         return bool(pool) and all(self.busy(w) > IDLE_S for w in pool)
 
-    def with_fallbacks(self) -> ClusterView:
+    def with_fallbacks(self, remembered: PrefillProfile | None = None) -> ClusterView:
         """This view with its gaps estimated, for a worker that joined (or a nanny restarted)
         after the last calibration and before the next one could measure it: a worker with no
         prefill profile gets the median of the measured workers' (the same hardware is
-        assumed), a pair nobody measured moves at ``default_bandwidth`` (Dask's own guess). A
-        plan on it is an estimate; calibration replaces it."""
-        return replace(self, estimate_gaps=True)
+        assumed) or, when every measured worker has left (all restarted under memory
+        pressure), ``remembered``, a median seen before; a pair nobody measured moves at
+        ``default_bandwidth`` (Dask's own guess). A plan on it is an estimate; calibration
+        replaces it."""
+        return replace(self, estimate_gaps=True, remembered_prefill=remembered or self.remembered_prefill)
 
     def with_queue(self, worker: str | None, busy_s: float) -> ClusterView:
         """This view with ``worker`` busy for at least ``busy_s`` (work a plan just queued there)."""
@@ -152,4 +160,4 @@ class ClusterView:
         return replace(self, workers={**self.workers, worker: replace(load, busy_s=max(load.busy_s, busy_s))})
 
 
-__all__ = ["CachedBlock", "ClusterView", "PrefixMatch", "WorkerLoad"]
+__all__ = ["CachedBlock", "ClusterView", "PrefixMatch", "WorkerLoad", "median_profile"]

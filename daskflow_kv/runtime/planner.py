@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..policy.cluster_view import ClusterView
+from ..policy.cluster_view import ClusterView, median_profile
 from ..policy.cost_model import Decision, NeedsCalibration, PrefillProfile
 from ..policy.placement import Placement, batch_seconds, plan_placements
 from .calibration import Calibrator
@@ -53,9 +53,12 @@ class Planner:
     prefill_override: PrefillProfile | None = None  # one profile for every worker (what-if, tests)
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=1024))  # one per destination, oldest first
     calibrating: threading.Lock = field(default_factory=threading.Lock)  # held while a thread calibrates
+    remembered: PrefillProfile | None = None  # the last measured median: outlives the workers it came from
 
     def view(self) -> ClusterView:
-        return self.plugin.snapshot(self.bandwidth_override, self.prefill_override)
+        view = self.plugin.snapshot(self.bandwidth_override, self.prefill_override)
+        self.remembered = median_profile(view.prefill.values()) or self.remembered
+        return view
 
     def calibrated_view(self) -> ClusterView:
         """Calibrate the cluster (links, prefill, store), then a fresh view."""
@@ -76,8 +79,10 @@ class Planner:
                     if not view.prefill:
                         view = self.calibrated_view()
             # Gaps left: a worker that joined since (a nanny restarted one) or died while probed.
-            # Estimate them; its own prefills fit its profile as it works.
-            view = view.with_fallbacks()
+            # Estimate them (from what was measured before, when every measured worker is gone:
+            # a cluster whose workers all restart must not stop planning); its own prefills fit
+            # its profile as it works.
+            view = view.with_fallbacks(self.remembered)
             return plan_placements(view, *args), view
 
     def record(self, p: Placement) -> None:

@@ -18,7 +18,7 @@ from distributed import Client
 from distributed.client import FutureCancelledError
 from distributed.comm.core import CommClosedError
 
-from ..errors import KVBudgetError, SchedulerLost
+from ..errors import ClientClosed, KVBudgetError, SchedulerLost
 
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
@@ -79,6 +79,9 @@ class PluginClient:
         states are gone with it), else once Dask gives up connecting."""
         if self.client.status == "connecting":
             raise scheduler_lost(self.client, "the client lost its connection and is reconnecting")
+        if self.client.scheduler is None or self.client.status == "closed":
+            # A thread still working after its runtime's client was closed (Dask unset the comm).
+            raise ClientClosed(f"cannot call {name}: this runtime's Dask client is {self.client.status}")
         try:
             return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
         except (CommClosedError, OSError) as e:

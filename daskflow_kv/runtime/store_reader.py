@@ -76,8 +76,8 @@ class StoreReader:
         except NeedsCalibration:
             if self.tier.profile() is None:
                 self.tier.calibrate()
-            if view.profile(target) is None:
-                view = self.planner.calibrated_view()
+            if view.profile(target) is None:  # estimated if calibration could not measure it
+                view = self.planner.calibrated_view().with_fallbacks(self.planner.remembered)
             d = decide_store_read(nbytes, missing, prefix, target, self.tier.profile(), view.profile(target))
         self.tier.record_decision(d)
         return d
