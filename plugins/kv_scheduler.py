@@ -184,7 +184,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
         self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
-        self.queue = QueueTracker(s, self.budget.is_held)
+        self.queue = QueueTracker(s)
         self.profiles = ProfileBook(s, settings.prefill_samples)
         self.locality = Locality(s, self.catalog, self.budget, self.queue, self.event_log)
         self.lifecycle = BlockLifecycle(s, self.catalog, self.budget, self.event_log)

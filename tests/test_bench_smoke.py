@@ -218,3 +218,23 @@ def test_store_ttft_harness_quick(tmp_path):
     assert row["warm_store"]["context_from_store"] == 128 and row["warm_store"]["store_bytes"] > 0
     assert row["cold"]["ttft_s"] > 0 and row["warm_memory"]["ttft_s"] > 0
     assert list(tmp_path.glob("daskflow-kv-store-bench-*")) == []  # the store is removed afterwards
+
+
+
+def _exp7_run(system, by_op, by_worker, transfers=None, repeat=0):
+    return {"exp": "exp7", "point": "zipf-budget 60/min", "system": system, "prefill_by_op": by_op,
+            "prefill_by_worker": by_worker, "tokens_prefilled": sum(by_op.values()), "transfers": transfers,
+            "repeat_prefill_tokens": repeat}
+
+
+def test_exp7_why_names_rebuilt_copies_when_they_dominate_and_imbalance_otherwise():
+    from daskflow_kv.bench.exp7_why import cost_terms, why
+
+    local = [_exp7_run("local", {"materialize": 9000, "resume": 600}, {"a": 5000, "b": 4600}, repeat=4000)]
+    rebuilt = [_exp7_run("dkv", {"materialize": 5000, "recompute": 4000, "resume": 600}, {"a": 5200, "b": 4400}, 9)]
+    assert cost_terms(rebuilt)["by_op"]["recompute"] == 4000 and cost_terms(local)["busiest"] == 5000
+    assert "rebuilt prefixes on a second worker (4000 tokens, 42%" in why(rebuilt, local)
+    skewed = [_exp7_run("dkv", {"materialize": 5000, "resume": 600}, {"a": 4800, "b": 800}, 9)]
+    assert "imbalance" in why(skewed, local)
+    even = [_exp7_run("dkv", {"materialize": 5000, "resume": 600}, {"a": 2900, "b": 2700}, 9)]
+    assert "not prefill" in why(even, local) and why([], local) == ""

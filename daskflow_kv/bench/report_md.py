@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from .common import mib
-from .summary import BASELINES, POINT_KEY, SUBJECT, exp3_errors, gain, targets, usable, value
+from .exp7_why import why as exp7_why
+from .summary import BASELINES, POINT_KEY, SUBJECT, exp3_errors, gain, saturation, targets, usable, value
 from .systems import LABELS
 
 BASELINE_NOTES = {
@@ -114,7 +115,7 @@ def _targets_lines(doc, summary) -> list[str]:
     for t in ts:
         if t["ok"] is False:
             lines.append(f"- Why *{t['target']}* was missed: {notes.get(t['target'], 'see the tables below; ')}"
-                         + _auto_why(t, summary))
+                         + _auto_why(t, summary) + _exp7_auto_why(t, doc, summary))
     return lines + [""]
 
 
@@ -135,6 +136,22 @@ def _auto_why(t, summary) -> str:
             f"{_cell(r['wall_s'])} s: {_cell(r.get('busiest_compute_s'))} s of model compute on its busiest worker "
             f"and {_cell(r.get('omega_s'))} s outside it (scheduling, dispatch, transfers, block handling); "
             f"it prefilled {_cell(r.get('tokens_prefilled'), '{:.0f}')} tokens.")
+
+
+def _exp7_auto_why(t, doc, summary) -> str:
+    """Where the prefill work went at the saturation points an exp 7 target compared."""
+    words = t["target"].split()
+    if words[:2] != ["exp", "7"] or "local's" not in t["target"]:
+        return ""
+    sat = saturation(summary, words[2].rstrip(":"))
+    if SUBJECT not in sat or "local" not in sat:
+        return ""
+
+    def runs(row):
+        return [r for r in doc.get("runs", []) if r.get("exp") == "exp7" and r.get("point") == row["point"]
+                and r["system"] == row["system"] and not r.get("error")]
+
+    return exp7_why(runs(sat[SUBJECT]), runs(sat["local"]))
 
 
 def _exp3_lines(doc) -> list[str]:

@@ -274,9 +274,13 @@ class DaskflowSystem(System):
 
     name = "daskflow-kv"
 
-    def __init__(self, *a, policy: str = "auto", **kw):
+    def __init__(self, *a, policy: str = "auto", count_planned: bool = True, **kw):
         super().__init__(*a, **kw)
         self.policy = policy  # plan_placements' policy for branches: auto | transfer | recompute | pin
+        # The runtime's busy_s (plugins/kv_queue) counts a task from its plan on, also while it
+        # waits for its inputs; False counts it only once sent, the rule before 2026-12-01.
+        self.count_planned = count_planned
+        self.planned = [0.0] * len(self.workers)  # predicted s of tasks planned here, not sent yet
         self.dir = Directory()
         self.ledgers = [Ledger() for _ in self.workers]
         self.parked: list[deque] = [deque() for _ in self.workers]  # tasks waiting for budget room
@@ -296,9 +300,18 @@ class DaskflowSystem(System):
 
     # -- the view the planner sees -------------------------------------------------------
     def _view(self, pool) -> ClusterView:
-        workers = {w.name: WorkerLoad(1, w.load, self.ledgers[w.idx].held, w.queued_s) for w in pool}
+        workers = {w.name: WorkerLoad(1, w.load, self.ledgers[w.idx].held, self._busy(w)) for w in pool}
         return ClusterView(workers, self._bw, {w.name: w.prof for w in pool}, latency=self._lat,
                            kv_budget_bytes=self.budget)
+
+    def _busy(self, w) -> float:
+        return w.queued_s + (self.planned[w.idx] if self.count_planned else 0.0)
+
+    def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
+        if not self.count_planned or len(self.workers) <= k:
+            return super().least_busy(k, exclude)
+        return heapq.nsmallest(k, (w for w in self.workers if w.idx not in exclude),
+                               key=lambda w: (self._busy(w), w.load, w.idx))
 
     def _match(self, blocks) -> PrefixMatch:
         out, n = [], 0
@@ -336,9 +349,10 @@ class DaskflowSystem(System):
         mat = _Ready(plen <= cached and made.done)
         if plen > cached:
             pred = t.prof.seconds(plen - cached, cached)
+            self.planned[t.idx] += pred
             made.then(lambda: self._task(f, t, blocks[len(match.blocks):], blocks[:len(match.blocks)],
-                                         (plen - cached, cached, 0), pred, mat.fire))
-            view = view.with_queue(t.name, t.queued_s + pred)
+                                         (plen - cached, cached, 0), pred, mat.fire, planned=pred))
+            view = view.with_queue(t.name, self._busy(t) if self.count_planned else t.queued_s + pred)
         elif not mat.done:
             made.then(mat.fire)
         # the branches: every block is (or will be) on t
@@ -370,10 +384,11 @@ class DaskflowSystem(System):
             else:
                 r = self._deliver(f, w, blocks, full, plen, d, src_ready=mat)
             pred = batch_seconds(w.prof, plen, [c.prompt_tokens - plen for c in cs], max_new) / len(cs)
+            self.planned[w.idx] += pred * len(cs)
             for c in cs:
                 r.then(lambda w=w, c=c, pred=pred: self._task(
                     f, w, (self._own_block(f, c, blocks),), blocks,
-                    (c.prompt_tokens - plen, plen, c.max_new), pred, lambda: self._call_done(f)))
+                    (c.prompt_tokens - plen, plen, c.max_new), pred, lambda: self._call_done(f), planned=pred))
 
     def _own_block(self, f, c, blocks):
         """The blocks a branch adds: its own prompt tokens and its output, one modeled block."""
@@ -408,10 +423,12 @@ class DaskflowSystem(System):
         return out
 
     # -- tasks under the budget --------------------------------------------------------------
-    def _task(self, f, w, new_blocks, reads, shape, pred, then) -> None:
+    def _task(self, f, w, new_blocks, reads, shape, pred, then, planned: float = 0.0) -> None:
         """A prefill/resume task on ``w`` making ``new_blocks`` and reading ``reads``: admitted,
-        run in the step loop, its blocks added when it ends."""
+        run in the step loop, its blocks added when it ends. ``planned``: the seconds its plan
+        counted on ``w`` (from now on its queue counts it)."""
         to_prefill, position, max_new = shape
+        self.planned[w.idx] -= planned
 
         def go(need):
             def end(_r):

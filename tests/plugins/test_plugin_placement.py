@@ -46,6 +46,26 @@ async def test_busy_seconds_are_the_predicted_times_of_the_kv_tasks_sent_to_a_wo
 
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_a_task_planned_for_a_worker_counts_there_while_it_waits_for_its_input(c, s, a, b):
+    """A branch planned for b behind an input still being made on a is b's work already: the
+    next plan must not see b as idle (and price a rebuild there as free compute)."""
+    plugin = await start_plugin(s, evict_interval="50ms")
+    token = await login(c)
+    opened = gate("input")
+    try:
+        made = submit_compute(c, token, a.address, wait_at_gate, "input", predicted_s=1.0)
+        waiting = submit_compute(c, token, b.address, kv_value, 10, made, predicted_s=4.0)
+        await until(lambda: state_of(s, made.key) == "processing" and state_of(s, waiting.key) == "waiting",
+                    what="the input to run on a and the branch to wait for it")
+        assert plugin.busy_seconds(b.address) == pytest.approx(4.0)
+        assert 0.0 < plugin.busy_seconds(a.address) <= 1.0
+    finally:
+        opened.set()
+    await asyncio.gather(made, waiting)
+    await until(lambda: plugin.busy_seconds(b.address) == 0.0, what="b's queue to empty")
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
 async def test_a_strict_restriction_to_a_worker_that_died_is_loosened(c, s, a, b):
     plugin = await start_plugin(s, evict_interval="50ms")
     token = await login(c)
