@@ -1,7 +1,8 @@
 """The KV budget is a hard limit: sampled every 50 ms in the workers through a workflow, no
 worker ever holds more KV than budget + one block, and the outputs stay exact.
 
-Two RAG workflows first run without a budget to measure their natural peak; the budget is
+Three RAG workflows first run without a budget to measure their natural peak (three, so that
+two contexts share a worker of two whatever placement does: the budget must bind); the budget is
 then set well below that peak (but above what their largest task needs), and the runs are
 repeated on fresh prompts. Admission (evict before a KV task is sent, hold it otherwise) is
 what keeps the sampled peak down; the periodic eviction loop alone let a workflow reach
@@ -25,10 +26,10 @@ def _workflow(rt, salt: str):
 
 
 def _run(rt, salt: str):
-    """Two 4-reader RAG workflows over different contexts, back to back, in state mode (what
+    """Three 4-reader RAG workflows over different contexts, back to back, in state mode (what
     the first leaves cached is what a budget must evict for the second), then text mode;
     the per-worker KV peaks sampled during the state runs."""
-    flows = [_workflow(rt, f"{salt}-{i}") for i in range(2)]
+    flows = [_workflow(rt, f"{salt}-{i}") for i in range(3)]
     compile_ = lambda wf: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
     rt.client.run(wt.start_sampler, interval=0.05)
     try:
@@ -45,7 +46,7 @@ def test_sampled_peak_stays_within_budget_plus_one_block(client):
     assert all(c.all_agree for c in cmps)
     natural = max(free_peaks.values())
     # Room for the largest single task's working set (its prompt's blocks and its output),
-    # with a margin; the two workflows' cached blocks together do not fit.
+    # with a margin; the workflows' cached blocks together do not fit.
     longest = max(a.prompt_tokens for c in cmps for a in c.state.agents.values()) + 8
     budget = max(int(natural * 0.6), (longest // BLOCK_SIZE + 8) * block)
     assert natural > budget + block, (natural, budget)  # the budget really binds
