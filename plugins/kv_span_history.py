@@ -30,20 +30,17 @@ class SpanHistory:
         self.scheduler = scheduler
         self.dead_since: dict[str, float] = {}  # default span id -> when it was first seen dead
         self.next_at = 0.0
-        self.groups_dropped = 0
-        self.spans_dropped = 0
 
     def prune(self, now: float) -> None:
         if now < self.next_at:
             return
         self.next_at = now + INTERVAL_S
         s = self.scheduler
-        self.groups_dropped += di.prune_dead_groups(s)
+        di.prune_dead_groups(s)
         spans = {sp.id: sp for sp in di.default_spans(s)[:-1]}  # the newest may get the next task
         self.dead_since = {k: self.dead_since.get(k, now) for k, sp in spans.items() if di.span_is_dead(s, sp)}
         expired = spans_to_drop(self.dead_since, now, di.oldest_heartbeat(s))
         if expired:
             di.drop_spans(s, [spans[k] for k in expired])
-            self.spans_dropped += len(expired)
             for k in expired:
                 del self.dead_since[k]

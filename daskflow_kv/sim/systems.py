@@ -107,11 +107,15 @@ class System:
         self.loop.after(self.profile.task_overhead_s if delay is None else delay, w.submit, r)
         return r
 
+    def _busy(self, w: ModeledWorker) -> float:
+        """Predicted seconds queued on ``w``, as the system's router or planner sees them."""
+        return w.queued_s
+
     def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
         if len(self.workers) <= k:
             return [w for w in self.workers if w.idx not in exclude]
         return heapq.nsmallest(k, (w for w in self.workers if w.idx not in exclude),
-                               key=lambda w: (w.queued_s, w.load, w.idx))
+                               key=lambda w: (self._busy(w), w.load, w.idx))
 
     def run_level(self, f: _Flow, calls) -> None:
         raise NotImplementedError
@@ -306,12 +310,6 @@ class DaskflowSystem(System):
 
     def _busy(self, w) -> float:
         return w.queued_s + (self.planned[w.idx] if self.count_planned else 0.0)
-
-    def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
-        if not self.count_planned or len(self.workers) <= k:
-            return super().least_busy(k, exclude)
-        return heapq.nsmallest(k, (w for w in self.workers if w.idx not in exclude),
-                               key=lambda w: (self._busy(w), w.load, w.idx))
 
     def _match(self, blocks) -> PrefixMatch:
         out, n = [], 0
