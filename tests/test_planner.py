@@ -332,3 +332,20 @@ def test_the_planner_remembers_the_last_measured_median():
     planner = Planner(SimpleNamespace(snapshot=lambda *_: views.pop(0)), calibrator=None)
     planner.view()
     assert planner.view().prefill == {} and planner.remembered == mid  # kept after every worker left
+
+
+def test_replicas_tie_on_bytes_and_the_least_busy_holder_takes_the_work():
+    """Every holder of a replicated prefix holds the same bytes: the pinned materialize and a
+    transfer's source go to the least busy of them, not to the first name (which sent 65 % of
+    a 2-worker stream's prefill to one worker)."""
+    m = _match(where=(A, B))
+    assert holder_of(m.blocks) == A  # no load known: the name decides
+    busy = {A: 5.0, B: 0.5}
+    assert holder_of(m.blocks, busy.get) == B
+    [p] = plan_placements(_view(workers=(A, B, C), bandwidth=1e9, busy=busy), m, [64], 1, "pin", new_tokens=[8])
+    assert p.worker == B and p.action == "reuse"
+    [q] = plan_placements(_view(workers=(A, B, C), bandwidth=1e9, busy=busy), m, [64], 1, "transfer", workers=[C])
+    assert q.worker == C and q.decision.src == B
+    more = _held_on(_match(n_blocks=4, where=(B,)), (A,), n=4)  # A holds all 4 blocks...
+    more = replace(more, blocks=tuple(replace(b, where=(A, B) if i < 2 else (A,)) for i, b in enumerate(more.blocks)))
+    assert holder_of(more.blocks, busy.get) == A  # ...B only 2: bytes come before load

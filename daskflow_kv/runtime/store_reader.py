@@ -60,7 +60,7 @@ class StoreReader:
         self.tier.mark_stored(k for k, _, _ in rest[:n])
         end = rest[n - 1][2]
         view = self.planner.view()
-        target = worker or holder_of(held.blocks[:mem]) or _least_loaded(view.workers)
+        target = worker or holder_of(held.blocks[:mem], view.busy) or _least_loaded(view.workers)
         nbytes = (end - rest[0][1]) * self.bytes_per_token
         decision = self._price(view, target, nbytes, end - held.tokens, held.tokens)
         if decision.action != "load":
