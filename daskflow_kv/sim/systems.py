@@ -210,17 +210,18 @@ class LocalSystem(System):
 
     def _run_group(self, f, w, plen, blocks, members, predicted) -> None:
         """``local_engine.run_group``: the prefix from this engine's cache, prefilling what it
-        lacks, then the members as one batch; kept in the cache when all are done."""
+        lacks, then the members as one batch; the prefix is reusable here from the moment it
+        is materialized, and kept (with the branches) when all are done."""
         cache = self.caches[w.idx]
         state = {"left": len(members)}
+        self._sid += 1
+        prefix_sid, rows = f"p{self._sid}", tuple((k, (e - s) * self.bpt) for k, s, e in blocks)
 
         def branch_done(r, c):
             state["left"] -= 1
             if state["left"] == 0:  # run_group returns: the engine keeps the prefix and the branches
                 self.rqueued[w.idx] = max(0.0, self.rqueued[w.idx] - predicted)
-                rows = tuple((k, (e - s) * self.bpt) for k, s, e in blocks)
-                self._sid += 1
-                cache.keep(f"p{self._sid}", rows)
+                cache.keep(prefix_sid, rows)  # most recently used again
                 for m in members:
                     self._sid += 1
                     cache.keep(f"s{self._sid}", ((f"s{self._sid}", (m.prompt_tokens - plen + m.max_new) * self.bpt),))
@@ -228,16 +229,22 @@ class LocalSystem(System):
             self._call_done(f)
 
         def start_branches(_=None):
+            # The engine's store holds a materialized prefix from then on: another group on
+            # this worker reuses it while these branches still decode (``Engine._prefill``).
+            cache.keep(prefix_sid, rows)
             share = predicted / max(1, len(members))
             for m in members:
                 self._request(w, m.prompt_tokens - plen, plen, m.max_new, share,
                               lambda r, m=m: branch_done(r, m), delay=0.0)
 
-        have = min(cache.cached(blocks), plen)
-        if plen > have:  # the engine's materialize: prefill what its cache lacks
-            self._request(w, plen - have, have, 0, 0.0, start_branches)
-        else:
-            self.loop.after(self.profile.task_overhead_s, start_branches)
+        def begin():  # the task reached its worker: the engine looks its prefix up now
+            have = min(cache.cached(blocks), plen)
+            if plen > have:  # the engine's materialize: prefill what its cache lacks
+                self._request(w, plen - have, have, 0, 0.0, start_branches, delay=0.0)
+            else:
+                start_branches()
+
+        self.loop.after(self.profile.task_overhead_s, begin)
 
 
 class _Ready:
