@@ -36,6 +36,18 @@ def hold_futures(client, keys: Iterable) -> dict:
     return futures
 
 
+def worker_addresses(client) -> list[str]:
+    """Every worker's address, asked of the scheduler now (sync client).
+
+    Not ``client.scheduler_info(n_workers=-1)["workers"]``: that returns the client's cached
+    identity, which its periodic refresh (``distributed.client.scheduler-info-interval``)
+    overwrites with ``n_workers=0`` - no workers - so a read can race the refresh and see an
+    empty cluster. Measured: a calibration probe reported "worker left the cluster" while
+    the worker ran on, and that worker planned on a one-sample profile.
+    """
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def send_on_stream(client, msg: dict) -> None:
     """Send ``msg`` to a scheduler stream handler on ``client``'s own batched stream (the
     connection ``update-graph`` travels on), in order with everything else it sends there."""

@@ -109,7 +109,9 @@ def client(cluster):
 
 @pytest.fixture(scope="module")
 def workers(client):
-    ws = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    from daskflow_kv.dask_internals import worker_addresses
+
+    ws = worker_addresses(client)
     assert len(ws) == 2
     return ws
 

@@ -393,3 +393,13 @@ def test_a_dead_span_is_dropped_only_once_every_worker_reported_after_it_died():
     now = 100.0 + SPAN_DEAD_S + 1
     assert spans_to_drop(dead, now, oldest_heartbeat=100.0 + HEARTBEAT_MARGIN_S) == ["old"]
     assert spans_to_drop(dead, now, oldest_heartbeat=100.0 + HEARTBEAT_MARGIN_S - 1) == []  # a silent worker
+
+
+def test_worker_addresses_are_asked_now_not_read_from_the_racing_cache(client, workers):
+    """The client's periodic refresh caches an identity without workers; a read of that cache
+    can see an empty cluster. ``worker_addresses`` asks the scheduler itself, every time."""
+    from daskflow_kv.dask_internals import worker_addresses
+
+    for _ in range(20):
+        client.sync(client._update_scheduler_info)  # what the periodic refresh runs (n_workers=0 since 2026.8)
+        assert worker_addresses(client) == sorted(workers)

@@ -203,7 +203,9 @@ class Check:
         else:
             self.cluster = cuda_cluster(protocol=protocol, devices=self.args.devices, dashboard_address=None)
         self.client = Client(self.cluster)
-        self.workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        from ..dask_internals import worker_addresses  # dask is installed by now
+
+        self.workers = worker_addresses(self.client)
         if len(self.workers) < 2:
             raise RuntimeError(f"need two workers, got {self.workers}")
         self.report.set(cuda_matmul=next(iter(self.client.run(strict_matmul).values())))

@@ -28,6 +28,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from ..dask_internals import worker_addresses
 from ..keys import PREFILL_TOPIC, holds_kv
 from . import local_engine as le
 from . import worker_tasks as wt
@@ -133,7 +134,7 @@ def refresh_router(b: Bench) -> None:
 
 
 def workers_of(client) -> list[str]:
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+    return worker_addresses(client)
 
 
 def _first_ready(start: float, per_worker: list[dict]) -> float | None:

@@ -29,7 +29,7 @@ import logging
 from distributed import Client, wait
 
 from .. import config, validation
-from ..dask_internals import incoming_transfers
+from ..dask_internals import incoming_transfers, worker_addresses
 from ..policy.cost_model import LinkProfile, calibration_lengths, fit_link
 from . import tasks
 from .kv_persistence import PersistentTier
@@ -57,7 +57,7 @@ def settle(client, futures, workers, timeout: float | None = None) -> None:
             return
         except TimeoutError:  # distributed.wait raises it when the time is up
             left = [f for f in futures if not f.done()]
-        gone = set(workers) - set(client.scheduler_info(n_workers=-1)["workers"])
+        gone = set(workers) - set(worker_addresses(client))
         if gone or time.time() > deadline:
             client.cancel(list(left))
             why = f"worker {sorted(gone)[0]} left the cluster" if gone else f"no answer within {timeout:g} s"
@@ -140,7 +140,7 @@ class Calibrator:
         probe_bytes = validation.setting("calibration.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
         probe_tokens = validation.setting("calibration.probe-tokens", probe_tokens, "probe_tokens",
                                           validation.integer, minimum=8)  # it also prefills probe_tokens // 8
-        workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        workers = worker_addresses(self.client)
         bandwidth, latency = {}, {}
         for src, dst in itertools.permutations(workers, 2):
             try:

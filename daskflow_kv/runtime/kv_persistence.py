@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from distributed import Client, fire_and_forget
 
 from .. import config, validation
+from ..dask_internals import worker_addresses
 from ..keys import PERSIST, task_key
 from ..policy.store_read import StoreDecision, StoreProfile, StoreSample, explain_store, fit_store_profile
 from ..store import worker_io as store_io
@@ -113,7 +114,7 @@ class PersistentTier:
     def calibrate(self, probe_bytes: int | str | None = None) -> dict:
         """Write and read back one probe object from a worker; feeds ``profile``."""
         nbytes = validation.setting("store.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
-        workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        workers = worker_addresses(self.client)
         samples = self.client.submit(store_io.probe, self.store.url, nbytes, self.tenant, workers=workers[:1],
                                      pure=False).result()
         self.samples.extend(StoreSample(n, s) for n, s in samples)
