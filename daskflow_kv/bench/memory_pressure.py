@@ -37,7 +37,9 @@ def baseline_rss(model: str, workers: int = 2) -> int:
 
     with local_cluster(workers, 1, dashboard_address=None) as cluster, Client(cluster) as client:
         rt = KVRuntime(client, model, block_size=16)
-        addresses = list(client.scheduler_info()["workers"])
+        from ..dask_internals import worker_addresses
+
+        addresses = worker_addresses(client)
         rt.wait([rt.materialize(rt.encode("warm up the model on every worker"), worker=w) for w in addresses])
         return max(client.run(_worker_rss).values())
 
