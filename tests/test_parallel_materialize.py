@@ -15,6 +15,7 @@ import torch
 from conftest import ARCHS, CONTEXT, DTYPES, SUFFIXES, assert_same_generation, make_engine
 from distributed import Client
 
+from daskflow_kv.dask_internals import worker_addresses
 from daskflow_kv.bench.systems import made_at
 from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.runtime.kv_runtime import KVRuntime
@@ -175,7 +176,7 @@ def _running_chunks():
 @pytest.mark.parametrize("victim", ["upstream", "downstream"])
 def test_a_worker_killed_mid_way_leaves_the_outputs_exact(own_client, victim):
     client = own_client
-    a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a, b = sorted(worker_addresses(client))
     rt = KVRuntime(client, "tiny-llama", block_size=16)
     engine = make_engine("tiny-llama", block_size=16)
     ctx = _ctx(rt, f"kill-{victim}")
@@ -216,7 +217,7 @@ def test_a_worker_killed_mid_way_leaves_the_outputs_exact(own_client, victim):
 
 def test_a_chunk_lost_after_materialize_is_recomputed_from_lineage(own_client):
     client = own_client
-    a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a, b = sorted(worker_addresses(client))
     rt = KVRuntime(client, "tiny-llama", block_size=16)
     engine = make_engine("tiny-llama", block_size=16)
     ctx = _ctx(rt, "lost-later")
@@ -226,7 +227,7 @@ def test_a_chunk_lost_after_materialize_is_recomputed_from_lineage(own_client):
     assert on_b
     t0 = time.time()
     os.kill(client.run(os.getpid, workers=[b])[b], signal.SIGKILL)
-    _until(lambda: b not in client.scheduler_info(n_workers=-1)["workers"], what="b to be removed")
+    _until(lambda: b not in worker_addresses(client), what="b to be removed")
     suf = rt.encode(SUFFIXES[1])
     g = rt.resume(st, suf, max_new_tokens=NEW, return_logits=True)
     assert_same_generation(g, engine.generate_text(ctx + suf, max_new_tokens=NEW, return_logits=True))

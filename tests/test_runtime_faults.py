@@ -8,6 +8,7 @@ import time
 from conftest import CONTEXT, SUFFIXES, make_engine
 from distributed import Event
 
+from daskflow_kv.dask_internals import worker_addresses
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.keys import short_key
 
@@ -61,7 +62,7 @@ def test_killing_the_block_holder_mid_workflow_gives_identical_outputs(client):
 
     pid = client.run(os.getpid, workers=[a])[a]
     os.kill(pid, signal.SIGKILL)  # the holder of every block of the context dies
-    _until(lambda: a not in client.scheduler_info(n_workers=-1)["workers"], what="a to be removed")
+    _until(lambda: a not in worker_addresses(client), what="a to be removed")
     gate.set()
     thread.join(120)
     assert not thread.is_alive(), "resume_many did not finish after the worker died"
