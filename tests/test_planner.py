@@ -19,6 +19,7 @@ from daskflow_kv.policy.placement import (
     batch_seconds,
     held_prefix,
     holder_of,
+    materialize_policy,
     plan_placements,
     read_blocks,
 )
@@ -98,6 +99,8 @@ def test_partial_recompute_prefills_only_what_the_destination_lacks():
     d = p.decision
     assert (d.missing_tokens, d.prefix_tokens, d.nbytes) == (32, 32, 2 * BLOCK)
     assert d.t_recompute == pytest.approx(PROFILE.seconds(32, 32))
+    # what the rebuild prefills (and what a run reports as rebuilt): the 32 missing, not all 64
+    assert p.recompute_tokens == 64 and p.rebuilt_tokens == 32
 
 
 def test_forced_bandwidth_flips_the_decision_at_the_crossover():
@@ -259,19 +262,29 @@ def test_lookup_answer_rows_become_cached_blocks():
 
 
 # -- under load: compute is priced, not only time (Preble's E2, with a move) ------------------------
-def _making_view(busy_b: float):
-    """A is still prefilling the context (2 s of queue); B has ``busy_b`` s queued."""
-    return _view(bandwidth=1e8, profile=PrefillProfile(0.0, 0.01, 0.0), busy={A: 2.0, B: busy_b})
+def _making_view(busy_b: float, busy_a: float = 1.0):
+    """A is still prefilling the context (``busy_a`` s of queue); B has ``busy_b`` s queued."""
+    return _view(bandwidth=1e8, profile=PrefillProfile(0.0, 0.01, 0.0), busy={A: busy_a, B: busy_b})
 
 
 def test_saturated_cluster_moves_the_prefix_instead_of_rebuilding_it():
-    """Both workers have work queued: B would start sooner by rebuilding, but that rebuild takes
-    0.64 s of compute from requests waiting there; the blocks are fetched once A has them."""
+    """Both workers have work queued: B would start sooner by rebuilding (0.74 s against the
+    1.04 s the blocks need to reach it), but that rebuild takes 0.64 s of compute from the
+    requests queued there; the blocks are fetched once A has them."""
     out = plan_placements(_making_view(0.1), _match(cached=False), [64] * 4, 4, new_tokens=[8] * 4, max_new_tokens=16)
     assert "recompute" not in {p.action for p in out}
     for p in out:
         if p.worker == B:
             assert p.decision.loaded and "queued work" in p.decision.reason
+
+
+def test_under_load_a_prefix_queued_far_behind_on_its_source_is_rebuilt_not_waited_for():
+    """A's queue holds 20 s before the blocks exist: waiting for them would cost B's request
+    far more than the 0.64 s of compute a rebuild takes (exp 7: a 37-token system line still
+    queued on the other worker pulled every new document's prefill there)."""
+    [p] = plan_placements(_making_view(0.1, busy_a=20.0), _match(cached=False), [64], 1, workers=[B])
+    assert p.action == "recompute" and p.decision.loaded and "late" in p.decision.reason
+    assert p.decision.start_transfer > p.decision.start_recompute + (p.decision.t_recompute - p.decision.t_transfer)
 
 
 def test_a_spare_worker_still_rebuilds_in_parallel():
@@ -349,3 +362,22 @@ def test_replicas_tie_on_bytes_and_the_least_busy_holder_takes_the_work():
     more = _held_on(_match(n_blocks=4, where=(B,)), (A,), n=4)  # A holds all 4 blocks...
     more = replace(more, blocks=tuple(replace(b, where=(A, B) if i < 2 else (A,)) for i, b in enumerate(more.blocks)))
     assert holder_of(more.blocks, busy.get) == A  # ...B only 2: bytes come before load
+
+
+def test_a_short_cached_prefix_does_not_pin_a_long_prefill_to_its_holder():
+    """Preble's E2 for a materialize: a 16-token system line cached on a busy worker does not
+    pull a new document's 1,000-token prefill there (exp 7 queued every new document on the
+    worker holding the shared system line); a prefix that is most of the prompt does."""
+    view = _view(bandwidth=1e9, busy={A: 20.0, B: 0.0})
+    line = _match(n_blocks=1, where=(A,))  # the shared 16-token system line, on A only
+    assert materialize_policy(view, 16, 1000) == "auto"
+    [p] = plan_placements(view, line, [16], 1, materialize_policy(view, 16, 1000), new_tokens=[1000],
+                          max_new_tokens=0)
+    assert p.worker == B and p.action in ("transfer", "recompute")  # the line goes along with the work
+    doc = _match(n_blocks=4, where=(A,))  # 64 cached tokens, 8 to prefill: exploit the holder
+    assert materialize_policy(view, 64, 8) == "pin"
+    [q] = plan_placements(view, doc, [64], 1, materialize_policy(view, 64, 8), new_tokens=[8], max_new_tokens=0)
+    assert q.worker == A and q.action == "reuse"
+    # nothing measured yet (no profile to price a move with) or a single worker: pin, as before
+    assert materialize_policy(_view(profile=None), 16, 1000) == "pin"
+    assert materialize_policy(_view(workers=(A,)), 16, 1000) == "pin"

@@ -238,10 +238,11 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
 
     ``loaded``: every worker the plan could use has work queued (the cluster is saturated).
     A rebuild then spends compute that other requests are waiting for, where a fetch spends
-    almost none (1-2 % of the prefill here): the cheaper *work* wins - transfer whenever the
-    link moves the blocks faster than dst could prefill them - even if the blocks will exist
-    on src only later. That is Preble's E2 with a move: explore the less loaded worker, and
-    bring the prefix to it rather than rebuild it.
+    almost none (1-2 % of the prefill here): a rebuild's compute is charged again as the work
+    it takes from others, so the fetch wins - even if the blocks will exist on src only
+    later - unless that wait exceeds the compute it saves. That is Preble's E2 with a move:
+    explore the less loaded worker, and bring the prefix to it rather than rebuild it; but a
+    few tokens still queued behind src's long backlog are rebuilt, not waited for.
     """
     if forced not in (None, "transfer", "recompute"):
         raise ValueError(f"forced must be None, 'transfer' or 'recompute', got {forced!r}")
@@ -266,13 +267,20 @@ def decide(nbytes: int, missing_tokens: int, prefix_tokens: int, src: str | None
     missing = needs_calibration(link, prefill)
     if missing:
         raise NeedsCalibration(f"cannot compare transfer and recompute: measure {', '.join(missing)}")
+    start_tr, start_rc = max(dst_wait, src_ready + t_tr), dst_wait + t_rc
     if loaded:
-        if t_tr < t_rc:
+        # A rebuild's compute is charged twice: as this request's time, and as the work it
+        # takes from the requests queued behind it. The fetch wins unless waiting for the
+        # blocks delays dst by more than the compute it saves (a few tokens' rebuild beats
+        # waiting behind a long queue on src for them).
+        if t_tr < t_rc and start_tr < start_rc + (t_rc - t_tr):
             return make("transfer", t_tr, t_rc, "every worker has queued work: moving the blocks costs less compute "
                                                 "than prefilling them again")
+        if t_tr < t_rc:
+            return make("recompute", t_tr, t_rc, "every worker has queued work, but the blocks are ready on src so "
+                                                 "late that rebuilding them costs less than the wait")
         return make("recompute", t_tr, t_rc, "every worker has queued work, and prefilling is still cheaper than "
                                              "fetching over this link")
-    start_tr, start_rc = max(dst_wait, src_ready + t_tr), dst_wait + t_rc
     if start_tr < start_rc:
         return make("transfer", t_tr, t_rc, "fetching the blocks lets dst start sooner than prefilling them")
     return make("recompute", t_tr, t_rc, "prefilling the tokens on dst lets it start no later than fetching them")

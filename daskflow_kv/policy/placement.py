@@ -49,6 +49,12 @@ class Placement:
     def action(self) -> str:
         return "none" if self.decision is None else self.decision.action
 
+    @property
+    def rebuilt_tokens(self) -> int:
+        """Prefix tokens a recompute actually prefills here: from where ``worker``'s own
+        leading blocks end (``held_tokens``) up to ``recompute_tokens``, not the whole prefix."""
+        return max(0, self.recompute_tokens - self.held_tokens) if self.recompute_tokens else 0
+
     def decision_dict(self) -> dict | None:
         return None if self.decision is None else asdict(self.decision)
 
@@ -132,6 +138,21 @@ def batch_seconds(profile: PrefillProfile, reused: int, suffixes: list[int], max
         ctx = reused + max(suffixes) + steps / 2
         t += steps * profile.seconds(len(suffixes), int(ctx))
     return t
+
+
+def materialize_policy(view: ClusterView, cached: int, missing: int) -> str:
+    """Where a prefill of ``missing`` tokens after ``cached`` cached ones runs: Preble's E2.
+
+    Exploit (``pin``: on the worker holding the cached part) when the cached share is at
+    least the part still to prefill; otherwise explore by earliest finish (``auto``: the
+    least loaded worker, the short cached part moved there or rebuilt, whichever is cheaper).
+    Why: pinning on *any* cached prefix sent every new document's prefill to the worker
+    holding a 36-token system line (exp 7: one worker queued 30-60 s of prefill while the
+    other idled). Before the cluster is calibrated nothing can be priced: pin.
+    """
+    if cached >= missing or not view.prefill or len(view.workers) < 2:
+        return "pin"
+    return "auto"
 
 
 def plan_placements(
@@ -270,4 +291,5 @@ def _least_busy(view: ClusterView, pool: list[str]) -> str | None:
 
 
 __all__ = ["POLICIES", "CachedBlock", "ClusterView", "NeedsCalibration", "Placement", "PrefixMatch", "WorkerLoad",
-           "batch_seconds", "held_prefix", "holder_of", "plan_placements", "prefix_decision", "read_blocks"]
+           "batch_seconds", "held_prefix", "holder_of", "materialize_policy", "plan_placements", "prefix_decision",
+           "read_blocks"]

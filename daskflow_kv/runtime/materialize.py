@@ -2,8 +2,9 @@
 
 1. Look the tokens up in memory (any client's blocks in this namespace), then in the
    persistent store (``store_reader``: loaded when loading beats prefilling).
-2. If tokens are left to prefill, place the prefill (``pin``: where the cached prefix is,
-   unless the caller named a worker) and prefill them on one worker, or split over several
+2. If tokens are left to prefill, place the prefill (``placement.materialize_policy``: where
+   the cached prefix is when it is at least half the prompt, else by earliest finish; or
+   the worker the caller named) and prefill them on one worker, or split over several
    (``parallel_materialize``). If the request ends inside a cached block, cut that block.
 3. Publish the new blocks (written through to the store for shared states) and register
    the state.
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import MergeError
-from ..policy.placement import read_blocks
+from ..policy.placement import materialize_policy, read_blocks
 from ..state import compat
 from ..state.blocks import aligned_floor, common_prefix_len, reusable_prefix, split_spans
 from ..state.kv_state import new_state_id
@@ -76,7 +77,8 @@ class Materializer:
         target = None  # where the new blocks are made (the last chunk's worker, when split)
         if reused < len(tokens):
             view = self.planner.view()
-            [p], view = self.planner.place(view, held, PlanRequest([reused], [len(tokens) - reused], 0, "pin", worker))
+            policy = materialize_policy(view, reused, len(tokens) - reused)
+            [p], view = self.planner.place(view, held, PlanRequest([reused], [len(tokens) - reused], 0, policy, worker))
             self.planner.record(p)
             split = self.parallel.plan(view, p.worker, reused, len(tokens), reused, parallel)
             if split is not None:  # every chunk reads the cached prefix where it is (Dask moves it)

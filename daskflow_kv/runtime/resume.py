@@ -117,7 +117,7 @@ class Resumer:
         gens = []
         for res, b, cont in zip(results, branches, conts):
             # The prefix rebuilt on a "recompute" destination is charged to its first branch.
-            metrics = {**res.metrics, "tokens_recomputed": b.placement.recompute_tokens}
+            metrics = {**res.metrics, "tokens_recomputed": b.placement.rebuilt_tokens}
             gens.append(DistGeneration(res.generated, self.codec.decode(res.generated), metrics, res.worker,
                                        b.placement, cont, res.logits))
         return gens

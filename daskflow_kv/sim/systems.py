@@ -10,7 +10,7 @@ executor's order): a level's agents that share leading segments form a prefix gr
                 bench and compares token lists): the same finish estimate - queue + missing
                 prefix prefill + ``policy.placement.batch_seconds`` - over block keys.
 ``DaskflowSystem`` daskflow-kv: the shared tier (a block directory any worker can fetch
-                from), materialize placed by ``plan_placements(policy="pin")``, branches by
+                from), materialize placed by ``plan_placements`` under ``materialize_policy``, branches by
                 ``plan_placements`` (earliest finish; transfer vs recompute from
                 ``cost_model.decide``), and under a budget every task admitted by
                 ``policy.admission.admit`` (evicting ``choose_victims``' blocks, or waiting).
@@ -28,7 +28,7 @@ from collections import deque
 
 from ..policy.admission import ADMIT, FAIL, admit
 from ..policy.cluster_view import CachedBlock, ClusterView, PrefixMatch, WorkerLoad
-from ..policy.placement import batch_seconds, held_prefix, plan_placements
+from ..policy.placement import batch_seconds, held_prefix, materialize_policy, plan_placements
 from .blocks import LRUCache, Directory, Held, Ledger, chain, common_prefix
 from .loop import EventLoop
 from .worker import ModeledWorker, Request
@@ -346,9 +346,9 @@ class DaskflowSystem(System):
         pool = self._pool(match)
         view = self._view(pool)
         cached = match.tokens
-        # materialize: where the cached part is (pin), else the least busy worker
-        [p] = plan_placements(view, match, [cached], 1, policy="pin", new_tokens=[max(1, plen - cached)],
-                              max_new_tokens=0)
+        # materialize: placed as the runtime places it (pin on the cached part, or earliest finish)
+        [p] = plan_placements(view, match, [cached], 1, policy=materialize_policy(view, cached, plen - cached),
+                              new_tokens=[max(1, plen - cached)], max_new_tokens=0)
         t = self.workers[int(p.worker[1:])]
         made = self._deliver(f, t, blocks, match, cached, p.decision)  # the cached part, onto t
         mat = _Ready(plen <= cached and made.done)
