@@ -56,3 +56,16 @@ def test_calibration_finishes_when_a_worker_is_killed_mid_way():
         s = rt.materialize(rt.encode("After the worker died, calibration ended and work goes on."))
         g = rt.resume(s, rt.encode(" Go."), max_new_tokens=4)
         assert len(g.tokens) == 4
+
+
+def test_calibration_waits_for_every_probe_timing_not_just_the_first():
+    """A profile exists once one timing arrived; the report waits until all have (or the
+    plugin's window is full): bench JSONs kept one-sample rates, and the simulation fit them."""
+    from daskflow_kv.runtime.calibration import probes_arrived
+
+    w = ["tcp://a:1", "tcp://b:1"]
+    assert not probes_arrived({w[0]: {"samples": 1}, w[1]: {"samples": 3}}, {}, w, 3)
+    assert probes_arrived({w[0]: {"samples": 3}, w[1]: {"samples": 3}}, {}, w, 3)
+    assert not probes_arrived({w[0]: {"samples": 5}}, {w[0]: 4}, w[:1], 3)  # 1 of 3 new ones so far
+    assert probes_arrived({w[0]: {"samples": 64}}, {w[0]: 63}, w[:1], 3)  # the window (64) is full
+    assert not probes_arrived({w[0]: {"samples": 3}}, {}, w, 3)  # b has reported nothing yet

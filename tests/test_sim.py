@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -123,3 +124,20 @@ def test_the_report_labels_every_figure(prof):
     assert all(r["label"] == "MODELED" for r in rows)
     table = [line for line in md.splitlines() if line.startswith("| 2 |")]
     assert table and all("MODELED" in line for line in table)
+
+
+def test_a_fitted_profile_prefers_the_profiles_a_run_ended_on(tmp_path):
+    """A bench JSON's calibration may be one probe's rate; the profiles refitted from the
+    run's own prefills (``prefill_profiles_end``) are what the simulation should model."""
+    w = ["tcp://a:1", "tcp://b:1"]
+    doc = {"calibration": {"prefill_profiles": {x: {"a": 0.0, "b": 0.008, "c": 0.0} for x in w},
+                           "bandwidth": {f"{w[0]}->{w[1]}": 1e9}},
+           "prefill_profiles_end": {x: {"a": 0.01, "b": 0.003, "c": 1e-7} for x in w},
+           "model": {"bytes_per_token": 46080}}
+    path = tmp_path / "bench_x.json"
+    path.write_text(json.dumps(doc))
+    p = fitted_profile(path)
+    assert {(q.a, q.b, q.c) for q in p.prefill} == {(0.01, 0.003, 1e-7)}
+    del doc["prefill_profiles_end"]
+    path.write_text(json.dumps(doc))
+    assert {q.b for q in fitted_profile(path).prefill} == {0.008}  # older JSONs: the calibration

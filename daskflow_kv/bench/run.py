@@ -355,6 +355,9 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     finally:
         bar.close()
         doc["counters"] = rt.counters()["counters"]
+        # The profiles the planner ended on, refitted from the run's own prefills (the last
+        # ``scheduler.prefill-samples`` per worker): what the simulation fits (``sim.profile``).
+        doc["prefill_profiles_end"] = {w: {"a": p.a, "b": p.b, "c": p.c} for w, p in rt.view().prefill.items()}
 
 
 def main(argv=None) -> int:

@@ -121,6 +121,16 @@ def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, work
     return lost
 
 
+def probes_arrived(profiles: dict, before: dict, workers, probes: int) -> bool:
+    """Every probe's timing has reached each worker's profile (its sample count grew by
+    ``probes``, or to the window the plugin keeps). Why not just "a profile exists": the
+    first timing to arrive made one, and the calibration reported (and a bench JSON kept, and
+    the simulation fitted) a one-sample rate while the other lengths were still on their way."""
+    window = int(config.get("scheduler.prefill-samples"))
+    return all(w in profiles and profiles[w].get("samples", 0) >= min(before.get(w, 0) + probes, window)
+               for w in workers)
+
+
 @dataclass(slots=True, eq=False)
 class Calibrator:
     client: Client  # runs the probes
@@ -149,10 +159,13 @@ class Calibrator:
                 logger.warning("%s -> %s: %s", src, dst, e)
                 continue
             bandwidth[f"{src}->{dst}"], latency[f"{src}->{dst}"] = link.bandwidth, link.latency
-        lost = measure_prefill(self.client, self.spec, self.facts, workers, calibration_lengths(probe_tokens))
+        sizes = calibration_lengths(probe_tokens)
+        before = {w: p.get("samples", 0) for w, p in self.plugin.prefill_profiles().items()}
+        lost = measure_prefill(self.client, self.spec, self.facts, workers, sizes)
         deadline = time.time() + 10  # worker events reach the scheduler asynchronously
         profiles = self.plugin.prefill_profiles()
-        while not all(w in profiles for w in workers if w not in lost) and time.time() < deadline:
+        while not probes_arrived(profiles, before, [w for w in workers if w not in lost], len(sizes)) \
+                and time.time() < deadline:
             time.sleep(0.05)
             profiles = self.plugin.prefill_profiles()
         out = {"bandwidth": bandwidth, "latency": latency, "prefill_profiles": profiles}

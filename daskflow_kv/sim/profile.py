@@ -54,10 +54,13 @@ def step_seconds(p: PrefillProfile, feeds) -> float:
 
 
 def fitted_profile(path: str | Path) -> SimProfile:
-    """This machine's profile from a bench results JSON's ``calibration`` and ``model``."""
+    """This machine's profile from a bench results JSON's ``prefill_profiles_end`` (else its
+    ``calibration``), links and ``model``."""
     data = json.loads(Path(path).read_text())
     cal = data.get("calibration") or {}
-    profs = cal.get("prefill_profiles") or {}
+    # The profiles the run ended on (refitted from its own prefills) when the JSON has them:
+    # a calibration taken before them may hold a single probe's rate.
+    profs = data.get("prefill_profiles_end") or cal.get("prefill_profiles") or {}
     if not profs:
         raise ValueError(f"{path}: no calibration.prefill_profiles to fit a profile from")
     workers = sorted(profs)
