@@ -141,3 +141,22 @@ def test_a_fitted_profile_prefers_the_profiles_a_run_ended_on(tmp_path):
     del doc["prefill_profiles_end"]
     path.write_text(json.dumps(doc))
     assert {q.b for q in fitted_profile(path).prefill} == {0.008}  # older JSONs: the calibration
+
+
+def test_a_document_still_being_prefilled_is_waited_for_not_prefilled_again():
+    """Two workflows over one document arriving a second apart: the second finds the first's
+    blocks in flight (as the plugin's lookup lists them, ``where`` without a holder) and
+    reuses or fetches them; the document is prefilled once. Before, the simulation saw only
+    finished blocks and prefilled it twice (its tokens +49-125 % over the measured exp 7)."""
+    from daskflow_kv.policy.cost_model import LinkProfile, PrefillProfile
+    from daskflow_kv.sim.profile import SimProfile
+
+    cpu = SimProfile("cpu-like", (PrefillProfile(0.0, 0.005, 0.0),), LinkProfile(1e9), 46080)  # 5 ms a token
+    wfs = [w for w in exp7_stream(2, 60.0, 1, "uniform")]
+    wfs = [type(w)(w.index, 0.5 * w.index, w.client, w.doc, w.calls) for w in wfs]  # 0.5 s apart
+    doc = wfs[0].calls[0].segments[0][1]
+    sim = systems.DaskflowSystem(cpu, 2)
+    sim.run(wfs)
+    assert all(not math.isnan(f.done_at) for f in sim.flows)
+    assert sim.prefilled < 2 * doc  # the document once, plus what each workflow adds
+    assert not sim.pending  # every block in flight was made

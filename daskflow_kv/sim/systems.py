@@ -269,6 +269,26 @@ class _Ready:
         self.waiters = []
 
 
+def _all(readies: list[_Ready]) -> _Ready | None:
+    """A ``_Ready`` that fires once every one of ``readies`` has; None for none."""
+    if not readies:
+        return None
+    out = _Ready()
+    left = [sum(1 for r in readies if not r.done)]
+
+    def one():
+        left[0] -= 1
+        if left[0] == 0:
+            out.fire()
+
+    if left[0] == 0:
+        out.fire()
+    for r in readies:
+        if not r.done:
+            r.then(one)
+    return out
+
+
 class _Uniform(dict):
     """Every (src, dst) pair at one value: a plain mapping for ``ClusterView``'s links."""
 
@@ -293,6 +313,10 @@ class DaskflowSystem(System):
         self.count_planned = count_planned
         self.planned = [0.0] * len(self.workers)  # predicted s of tasks planned here, not sent yet
         self.dir = Directory()
+        # block key -> (worker making it, fired once made): lookups see blocks still being
+        # made, as the plugin's do, so a second workflow over a document waits for the first's
+        # prefill (or fetches it) instead of prefilling it again
+        self.pending: dict[str, tuple[int, _Ready]] = {}
         self.ledgers = [Ledger() for _ in self.workers]
         self.parked: list[deque] = [deque() for _ in self.workers]  # tasks waiting for budget room
         self.admitted = [0] * len(self.workers)  # admitted tasks not finished, per worker
@@ -322,12 +346,19 @@ class DaskflowSystem(System):
         out, n = [], 0
         for k, s, e in blocks:
             hs = self.dir.holders(k)
-            if not hs:
+            if hs:
+                names = tuple(self.workers[i].name for i in sorted(hs))
+                out.append(CachedBlock(k, s, e, (e - s) * self.bpt, names, names))
+            elif k in self.pending:  # being made: no holder yet, ``where`` its planned worker
+                out.append(CachedBlock(k, s, e, (e - s) * self.bpt, (), (self.workers[self.pending[k][0]].name,)))
+            else:
                 break
-            names = tuple(self.workers[i].name for i in sorted(hs))
-            out.append(CachedBlock(k, s, e, (e - s) * self.bpt, names, names))
             n = e
         return PrefixMatch(n, tuple(out))
+
+    def _in_flight(self, blocks, upto: int) -> _Ready | None:
+        """Fires once every block below ``upto`` that is still being made exists; None: none is."""
+        return _all([self.pending[k][1] for k, s, _ in blocks if s < upto and k in self.pending])
 
     def _pool(self, match, extra=()) -> list[ModeledWorker]:
         if len(self.workers) <= self.full_pool:
@@ -353,6 +384,8 @@ class DaskflowSystem(System):
         made = self._deliver(f, t, blocks, match, cached, p.decision)  # the cached part, onto t
         mat = _Ready(plen <= cached and made.done)
         if plen > cached:
+            for k, _, _ in blocks[len(match.blocks):]:
+                self.pending.setdefault(k, (t.idx, mat))
             pred = t.prof.seconds(plen - cached, cached)
             self.planned[t.idx] += pred
             made.then(lambda: self._task(f, t, blocks[len(match.blocks):], blocks[:len(match.blocks)],
@@ -404,8 +437,11 @@ class DaskflowSystem(System):
         """The first ``reused`` tokens' blocks onto ``w`` as decision ``d`` says."""
         have = held_prefix(match, reused, w.name) if reused else 0
         missing = [b for b in blocks if b[2] <= reused and b[1] >= have and w.idx not in self.dir.holders(b[0])]
+        wait = self._in_flight(blocks, reused)
         if d is None or d.action == "reuse" or not missing:
-            return _Ready(True)  # everything it reads is on w already
+            return wait or _Ready(True)  # everything it reads is on w already, or will be when made
+        if wait is not None and d.action == "transfer":
+            src_ready = _all([r for r in (src_ready, wait) if r is not None])
         out = _Ready()
         reads = [b for b in blocks if b[2] <= have]
         if d.action == "transfer":
@@ -462,6 +498,9 @@ class DaskflowSystem(System):
                 if a.action == FAIL or self.admitted[w.idx] == 0:  # nothing running here can free room
                     f.failed = a.reason
                     self.failed += 1
+                    for k, _, _ in new_blocks:  # never made here: whoever waits for them goes on
+                        if self.pending.get(k, (None,))[0] == w.idx:
+                            self.pending.pop(k)[1].fire()
                     return
                 self.parked[w.idx].append((f, new_blocks, reads, go))
                 return
@@ -475,6 +514,9 @@ class DaskflowSystem(System):
     def _made(self, w, new_blocks, reads, need) -> None:
         lg, now = self.ledgers[w.idx], self.loop.now
         lg.reserved -= need
+        for k, _, _ in new_blocks:
+            if self.pending.get(k, (None,))[0] == w.idx:
+                del self.pending[k]
         parent = reads[-1][0] if reads else None
         for k, s, e in new_blocks:
             if k not in lg.blocks:
