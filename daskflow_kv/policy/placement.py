@@ -224,12 +224,13 @@ def _earliest_finish(view, match, reused, new_tokens, max_new, pool, holder, for
         raise NeedsCalibration("cannot estimate finish times: measure the prefill profile on every worker")
     order = sorted(pool, key=lambda w: (w != holder, pool.index(w)))  # ties: the holder, then pool order
     loaded = view.loaded(pool)  # no spare compute: a rebuild is priced as the work it takes from others
+    seen: dict[tuple[str, int], Decision | None] = {}  # (worker, reused) -> its decision: one per plan
     dests: dict[str, _Dest] = {}
     placed: list[tuple[str, dict[str, float]]] = []
     for i, (r, s) in enumerate(zip(reused, new_tokens)):
         options = {}
         for w in order:
-            d = dests.get(w) or _open(view, match, r, w, forced, loaded)
+            d = dests.get(w) or _open(view, match, r, w, forced, loaded, seen)
             if d is None:
                 continue
             prof = profiles[w] or PrefillProfile(0.0, 0.0, 0.0)
@@ -274,9 +275,17 @@ def _pick(options: dict, order: list[str], dests: dict) -> str:
     return min(close, key=lambda w: (fresh_work(w), options[w][0], order.index(w)))
 
 
-def _open(view, match, reused, w, forced, loaded=False) -> _Dest | None:
-    """A destination before any branch is placed on it: how its prefix would get there."""
-    d = prefix_decision(view, match, reused, w, forced, loaded)
+def _open(view, match, reused, w, forced, loaded=False, seen: dict | None = None) -> _Dest | None:
+    """A destination before any branch is placed on it: how its prefix would get there.
+    ``seen`` keeps each (worker, reused) decision for the plan: branches over one prefix ask
+    the same question of every worker again (70 % of a 128-worker simulation's time)."""
+    key = (w, reused)
+    if seen is not None and key in seen:
+        d = seen[key]
+    else:
+        d = prefix_decision(view, match, reused, w, forced, loaded)
+        if seen is not None:
+            seen[key] = d
     if d is None:
         return _Dest(None, view.busy(w), reused)
     if d.action == "reuse":
