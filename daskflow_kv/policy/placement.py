@@ -275,17 +275,13 @@ def _pick(options: dict, order: list[str], dests: dict) -> str:
     return min(close, key=lambda w: (fresh_work(w), options[w][0], order.index(w)))
 
 
-def _open(view, match, reused, w, forced, loaded=False, seen: dict | None = None) -> _Dest | None:
+def _open(view, match, reused, w, forced, loaded, seen: dict) -> _Dest | None:
     """A destination before any branch is placed on it: how its prefix would get there.
     ``seen`` keeps each (worker, reused) decision for the plan: branches over one prefix ask
     the same question of every worker again (70 % of a 128-worker simulation's time)."""
-    key = (w, reused)
-    if seen is not None and key in seen:
-        d = seen[key]
-    else:
-        d = prefix_decision(view, match, reused, w, forced, loaded)
-        if seen is not None:
-            seen[key] = d
+    if (w, reused) not in seen:
+        seen[(w, reused)] = prefix_decision(view, match, reused, w, forced, loaded)
+    d = seen[(w, reused)]
     if d is None:
         return _Dest(None, view.busy(w), reused)
     if d.action == "reuse":
