@@ -1,5 +1,5 @@
 """The soak of benchmarks/soak.py, short: two clients stream workflows under a KV budget that
-forces evictions, with a persistent store; every run agrees with its text replay, none is lost,
+forces evictions (room for 1.5 workflows per worker, 2 in flight: it binds whatever the machine's speed), with a persistent store; every run agrees with its text replay, none is lost,
 and once the clients close no KV key is left that nothing retains on purpose."""
 
 from daskflow_kv.bench.soak import SoakConfig, growth, run_soak
@@ -7,7 +7,7 @@ from daskflow_kv.runtime.cluster import local_cluster
 
 
 def test_a_short_soak_loses_nothing_and_leaves_only_the_cache(tmp_path):
-    cfg = SoakConfig(minutes=0.15, concurrency=2, pool=3, sample_every=3.0, warmup_minutes=0.05, hang_s=30.0)
+    cfg = SoakConfig(minutes=0.15, concurrency=2, pool=3, budget_workflows=1.5, sample_every=3.0, warmup_minutes=0.05, hang_s=30.0)
     with local_cluster(2, 1, dashboard_address=None) as cluster:
         out = run_soak(cluster, cfg, str(tmp_path / "kv"), log=lambda *a: None)
     assert out["workflows"] >= 3 and out["completed"] == out["workflows"], out["errors"]

@@ -43,6 +43,7 @@ class SoakConfig:
     max_new: int = 8
     pool: int = 40  # distinct workflows, drawn again and again
     budget_fraction: float = 0.5  # of the documents' KV working set, per worker
+    budget_workflows: float | None = None  # per-worker budget in workflows' KV; None: room for what is in flight
     sample_every: float = 30.0
     warmup_minutes: float = 5.0
     hang_s: float = 300.0  # a workflow still running this long after the stream's end counts as hung
@@ -142,7 +143,10 @@ def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> d
     # would keep: the budget binds (evictions) without the stream living on preemptions. A
     # budget far below what is in flight is the load benchmark's concern (exp 7, issue 24).
     in_flight = cfg.clients * cfg.concurrency * one / len(cluster.workers)
-    budget = int(max(cfg.budget_fraction * cfg.docs * cfg.context, in_flight) * rt.facts.bytes_per_token)
+    tokens = max(cfg.budget_fraction * cfg.docs * cfg.context, in_flight)
+    if cfg.budget_workflows is not None:  # a budget that binds whatever the timing (the short test)
+        tokens = cfg.budget_workflows * one
+    budget = int(tokens * rt.facts.bytes_per_token)
     rt.configure(kv_budget_bytes=budget)
     counters_before = rt.counters()["counters"]
 
