@@ -21,6 +21,9 @@ from daskflow_kv.bench.common import RESULTS_DIR, command_line, log, machine_inf
 from daskflow_kv.bench.soak import GROWTH_LIMIT, SoakConfig, run_soak
 
 
+WORKERS = 2
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0)
@@ -28,16 +31,27 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-minutes", type=float, default=5.0)
     ap.add_argument("--hang-s", type=float, default=300.0,
                     help="a workflow still running this long after the stream's end counts as hung")
+    ap.add_argument("--scheduler-in-process", action="store_true",
+                    help="the scheduler in this process, with the clients (its memory then not told apart)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
     args = ap.parse_args(argv)
 
+    from daskflow_kv.bench import cluster_process
     from daskflow_kv.runtime.cluster import local_cluster
 
     cfg = SoakConfig(minutes=args.minutes, concurrency=args.concurrency, warmup_minutes=args.warmup_minutes,
                      hang_s=args.hang_s)
-    with tempfile.TemporaryDirectory(prefix="kv-store-") as store, \
-            local_cluster(2, 1, dashboard_address=None) as cluster:
-        out = run_soak(cluster, cfg, store, log=log)
+    with tempfile.TemporaryDirectory(prefix="kv-store-") as store:
+        if args.scheduler_in_process:
+            with local_cluster(WORKERS, 1, dashboard_address=None) as cluster:
+                out = run_soak(cluster, WORKERS, cfg, store, log=log)
+        else:  # as deployed: the scheduler's process is not the clients'
+            proc, address = cluster_process.start(WORKERS, log)
+            try:
+                out = run_soak(address, WORKERS, cfg, store, log=log)
+            finally:
+                cluster_process.end(proc)
+    out["scheduler_in_process"] = args.scheduler_in_process
     write_json(args.out, {"command": command_line(), "machine": machine_info(), **out})
     worst = max(((k, v) for k, v in out["growth_after_warmup"].items() if v is not None), key=lambda kv: kv[1],
                 default=("-", 0.0))

@@ -319,6 +319,42 @@ def prune_dead_groups(scheduler) -> int:
     return dropped
 
 
+def compact_span_metadata(scheduler) -> int:
+    """Drop repeated entries from every span's metadata; -> how many were dropped.
+
+    Each ``update_graph`` appends its collections' descriptions to its span's metadata -
+    ``{"type": "Future"}`` for every ``client.submit`` - so a span that lives as long as the
+    cache (the default span holding cached blocks) grows by one dict per KV task submitted
+    (the soak: ~80 a second, most of the scheduler's growth). Identical entries say nothing
+    more; the first of each is kept, in order. Releases that remember which metadata objects
+    they took (a class-level set of ``id``s, ``Span._metadata_seen``) have it emptied too:
+    it grows with every graph and only ever guards one ``update_graph`` call.
+    """
+    ext = scheduler.extensions.get("spans")
+    if ext is None:
+        return 0
+    dropped = 0
+    for span in ext.spans.values():
+        meta = getattr(span, "_metadata", None)
+        entries = meta.get("collections") if meta else None
+        if not entries or len(entries) < 2:
+            continue
+        seen, kept = set(), []
+        for e in entries:
+            sig = repr(sorted(e.items())) if isinstance(e, dict) else repr(e)
+            if sig not in seen:
+                seen.add(sig)
+                kept.append(e)
+        dropped += len(entries) - len(kept)
+        entries[:] = kept
+    from distributed.spans import Span
+
+    seen_ids = getattr(Span, "_metadata_seen", None)
+    if isinstance(seen_ids, set):
+        seen_ids.clear()
+    return dropped
+
+
 def default_spans(scheduler) -> list:
     """The spans Dask opened for tasks no ``span`` block names, oldest first."""
     ext = scheduler.extensions.get("spans")

@@ -6,7 +6,9 @@ the last one is done, for the scheduler's life (dask/distributed#7977): on a lon
 scheduler, memory that grows with the workflows served (the soak's +24 %). Every
 ``INTERVAL_S`` this forgets the dead groups, and a default span once it has been dead for
 ``SPAN_DEAD_S`` and every worker has since sent a heartbeat (one collected before would name
-it, and a heartbeat naming an unknown span closes its worker). What touches Dask's internals
+it, and a heartbeat naming an unknown span closes its worker). A span that lives on (the one
+holding cached blocks) also appends one metadata entry per graph submitted, the same
+``{"type": "Future"}`` each time: repeats are dropped. What touches Dask's internals
 is in ``daskflow_kv.dask_internals``.
 """
 
@@ -37,6 +39,7 @@ class SpanHistory:
         self.next_at = now + INTERVAL_S
         s = self.scheduler
         di.prune_dead_groups(s)
+        di.compact_span_metadata(s)
         spans = {sp.id: sp for sp in di.default_spans(s)[:-1]}  # the newest may get the next task
         self.dead_since = {k: self.dead_since.get(k, now) for k, sp in spans.items() if di.span_is_dead(s, sp)}
         expired = spans_to_drop(self.dead_since, now, di.oldest_heartbeat(s))

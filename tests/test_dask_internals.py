@@ -194,6 +194,21 @@ def _where():
     return get_worker().address
 
 
+@gen_cluster(client=True)
+async def test_a_live_spans_repeated_metadata_is_compacted(c, s, a, b):
+    """Every submit appends ``{"type": "Future"}`` to its span's metadata; a span that lives
+    (cached blocks keep it) would grow by one per task for the scheduler's life."""
+    held = [c.submit(_inc, i, key=f"meta-{i}") for i in range(40)]
+    await c.gather(held)
+    ext = s.extensions["spans"]
+    span = ext.spans[s.tasks["meta-0"].group.span_id]
+    before = len(span._metadata["collections"])
+    assert before >= 20  # one entry per submit (each its own update_graph)
+    assert di.compact_span_metadata(s) == before - 1
+    assert span._metadata["collections"] == [{"type": "Future"}]
+    assert await c.submit(_inc, 100, key="meta-after") == 101  # the span still takes new tasks
+
+
 def test_futures_for_keys_another_client_submitted(cluster, client):
     """want() + hold_futures(): a second client gets a working future, which keeps the key alive."""
     x = client.submit(lambda: 41 + 1, key="internals-held", pure=False)

@@ -9,7 +9,7 @@ from daskflow_kv.runtime.cluster import local_cluster
 def test_a_short_soak_loses_nothing_and_leaves_only_the_cache(tmp_path):
     cfg = SoakConfig(minutes=0.15, concurrency=2, pool=3, budget_workflows=1.5, sample_every=3.0, warmup_minutes=0.05, hang_s=30.0)
     with local_cluster(2, 1, dashboard_address=None) as cluster:
-        out = run_soak(cluster, cfg, str(tmp_path / "kv"), log=lambda *a: None)
+        out = run_soak(cluster, 2, cfg, str(tmp_path / "kv"), log=lambda *a: None)
     assert out["workflows"] >= 3 and out["completed"] == out["workflows"], out["errors"]
     assert out["hung_threads"] == 0 and out["wrong"] == 0
     assert out["evictions"] > 0  # the budget bound

@@ -67,8 +67,11 @@ def _soak_row(d: dict) -> list[str]:
     cfg, g = d["config"], d["growth_after_warmup"]
     # Memory, and what the scheduler keeps per workflow; gauges that hover near zero (store
     # writes in flight, leases) swing by whole units and say nothing as a percentage.
-    shown = [(name, g.get(key)) for name, key in (("scheduler + clients RSS", "scheduler_rss"),
-                                                  ("workers RSS", "workers_rss"), ("tasks", "tasks"),
+    # Older runs hosted the scheduler in the clients' process: one RSS for both.
+    apart = not d.get("scheduler_in_process", True)
+    rss = (("scheduler RSS", "scheduler_rss"), ("clients RSS", "client_rss")) if apart else \
+        (("scheduler + clients RSS", "scheduler_rss"),)
+    shown = [(name, g.get(key)) for name, key in (*rss, ("workers RSS", "workers_rss"), ("tasks", "tasks"),
                                                   ("catalog blocks", "catalog_blocks"),
                                                   ("catalog states", "catalog_states")) if g.get(key) is not None]
     left = d["keys_left_after_clients_closed"]

@@ -15,16 +15,12 @@ scheduler's process is SIGKILLed (its orphaned workers are left to notice). Reco
   from the store, how many prefilled - and of those, how many the store held (the target: 0);
 * every workflow's tokens (finished before the kill, or after) against text replay on the
   new cluster.
-
-    python -m daskflow_kv.bench.scheduler_lost --cluster STORE WORKERS   # the cluster's side
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -32,30 +28,11 @@ from ..flow.compiler import compile_workflow, group_by_prefix
 from ..flow.executor import run_state_mode
 from ..flow.prompts import prompt_tokens
 from ..state.blocks import common_prefix_len
+from . import cluster_process
 from .chaos import _run, _tokens
 from .load_stream import Arrival, build, doc_sequence, documents
 
 SALT = "scheduler-lost"  # the same prompts on both clusters: the store's keys match
-
-
-def _start_cluster(workers: int, log) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "daskflow_kv.bench.scheduler_lost", "--cluster", str(workers)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    line = proc.stdout.readline().strip()
-    if not line.startswith("address "):
-        proc.kill()
-        raise RuntimeError(f"the cluster process did not start: {line!r}")
-    log(f"scheduler-lost: cluster up at {line.split()[1]} (pid {proc.pid})")
-    return proc, line.split()[1]
-
-
-def _end_cluster(proc: subprocess.Popen) -> None:
-    """The cluster process and what it left behind (orphaned workers), gone."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 def _context(wf, rt) -> tuple[str, list[int]]:
@@ -100,7 +77,7 @@ def run_scheduler_lost(store: str, model: str = "tiny-llama", workflows: int = 8
     from ..runtime.kv_runtime import KVRuntime
 
     setup = runtime_setup or (lambda rt: None)  # e.g. a what-if prefill rate (tests, tiny model)
-    proc, address = _start_cluster(workers, log)
+    proc, address = cluster_process.start(workers, lambda m: log(f"scheduler-lost: {m}"))
     client = Client(address)
     rt = KVRuntime(client, model, block_size=16, kv_store=store)
     setup(rt)
@@ -144,10 +121,10 @@ def run_scheduler_lost(store: str, model: str = "tiny-llama", workflows: int = 8
                   "submit (materialize)": _failure(lambda: rt.wait([rt.materialize(rt.encode("after the kill"))],
                                                                    timeout=hang_s), killed_at, address)}
     client.close(timeout=5)
-    _end_cluster(proc)
+    cluster_process.end(proc)
 
     log("scheduler-lost: a new cluster over the same store resumes the stream")
-    proc, address2 = _start_cluster(workers, log)
+    proc, address2 = cluster_process.start(workers, lambda m: log(f"scheduler-lost: {m}"))
     resumed: dict[int, dict] = {}
     try:
         with Client(address2) as client2:
@@ -166,7 +143,7 @@ def run_scheduler_lost(store: str, model: str = "tiny-llama", workflows: int = 8
                               "prefilled_stored": max(0, computed - (length - held))}
             ref = {i: _tokens(_run(rt2, wf, "text")) for i, wf in enumerate(flows)}
     finally:
-        _end_cluster(proc)
+        cluster_process.end(proc)
     finished = {**done, **resumed}
     return {
         "workflows": workflows, "docs": docs, "context": context, "model": model, "workers": workers,
@@ -187,18 +164,3 @@ def run_scheduler_lost(store: str, model: str = "tiny-llama", workflows: int = 8
     }
 
 
-def _cluster(workers: int) -> None:
-    """The cluster's side: a LocalCluster in this process until it is killed."""
-    from ..runtime.cluster import local_cluster
-
-    with local_cluster(workers, 1, dashboard_address=None) as cluster:
-        print(f"address {cluster.scheduler_address}", flush=True)
-        while True:
-            time.sleep(3600)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--cluster":
-        _cluster(int(sys.argv[2]))
-    else:
-        sys.exit("usage: python -m daskflow_kv.bench.scheduler_lost --cluster WORKERS")

@@ -78,7 +78,7 @@ def gauges(client) -> dict:
     workers = client.run(_worker_gauges)
     g["workers_rss"] = sum(w["rss"] for w in workers.values())
     g["store_writes_in_flight"] = sum(w["writes"] for w in workers.values())
-    g["client_rss"] = psutil.Process().memory_info().rss  # the clients run in this process
+    g["client_rss"] = psutil.Process().memory_info().rss  # the clients run in this process (the scheduler too, in-process)
     return g
 
 
@@ -123,7 +123,8 @@ def _left_keys(dask_scheduler) -> dict:
     return {"cache": cache, "wanted_by_others": other, "wanted_by_no_one": unwanted}
 
 
-def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> dict:
+def run_soak(cluster, workers: int, cfg: SoakConfig, store: str | None = None, log=print) -> dict:
+    """``cluster``: a LocalCluster or a scheduler's address, with ``workers`` workers."""
     from distributed import Client
 
     from ..runtime.kv_runtime import KVRuntime
@@ -142,7 +143,7 @@ def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> d
     # Room for the workflows in flight (spread over the workers), not for everything the cache
     # would keep: the budget binds (evictions) without the stream living on preemptions. A
     # budget far below what is in flight is the load benchmark's concern (exp 7, issue 24).
-    in_flight = cfg.clients * cfg.concurrency * one / len(cluster.workers)
+    in_flight = cfg.clients * cfg.concurrency * one / workers
     tokens = max(cfg.budget_fraction * cfg.docs * cfg.context, in_flight)
     if cfg.budget_workflows is not None:  # a budget that binds whatever the timing (the short test)
         tokens = cfg.budget_workflows * one
@@ -209,7 +210,7 @@ def run_soak(cluster, cfg: SoakConfig, store: str | None = None, log=print) -> d
     ok = [r for r in records if "error" not in r]
     g = growth(samples, cfg.warmup_minutes * 60)
     return {
-        "config": asdict(cfg), "model": "tiny-llama", "workers": len(cluster.workers), "store": store is not None,
+        "config": asdict(cfg), "model": "tiny-llama", "workers": workers, "store": store is not None,
         "kv_budget_bytes": budget, "wall_s": wall, "workflows": len(records), "completed": len(ok),
         "wrong": sum(1 for r in ok if not r["agree"]), "lost": len(records) - len(ok), "hung_threads": hung,
         "errors": sorted({r["error"] for r in records if "error" in r})[:10],
