@@ -268,3 +268,19 @@ def test_decide_store_read_prices_load_against_recompute():
         decide_store_read(10**6, 64, 0, "w", fast, None)
     row = d.as_dict()
     assert row["src"] == "store" and row["dst"] == "w" and row["t_transfer"] == d.t_load
+
+
+def test_access_marks_remembered_stay_bounded(tmp_path, monkeypatch):
+    """A long-lived worker reads ever more keys: the marks it remembers (to refresh each at
+    most once per interval) keep only those still inside the interval once past the bound."""
+    import daskflow_kv.store.kv_store as ks
+
+    monkeypatch.setattr(ks, "TOUCHED_KEPT", 4)
+    store = KVStore(LocalDirBackend(str(tmp_path)), touch_interval=0.05)
+    for i in range(6):
+        store.put(_block(seed=i), _key(i), 0, 16, "fp")
+    for i in range(6):
+        assert store.get(_key(i)) is not None
+        time.sleep(0.06)  # every earlier mark is stale by the next read
+    assert len(store._touched) <= ks.TOUCHED_KEPT
+    assert _key(5) in store._touched  # the fresh one is kept

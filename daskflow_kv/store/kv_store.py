@@ -39,6 +39,7 @@ from .codec import CorruptBlockError, decode, encode, header_length, read_manife
 from .manifest import BlockManifest
 from .tenant import OPEN_TENANT, StoreTenant
 
+TOUCHED_KEPT = 4096  # access marks remembered per process before the stale ones are dropped
 
 @dataclass(slots=True)
 class StoreStats:
@@ -181,6 +182,8 @@ class KVStore:
         if now - self._touched.get(key, 0.0) < self.touch_interval:
             return
         self._touched[key] = now
+        if len(self._touched) > TOUCHED_KEPT:  # marks older than the interval would be refreshed anyway
+            self._touched = {k: t for k, t in self._touched.items() if now - t < self.touch_interval}
         try:
             self.backend.touch(self.access_path(key))
         except OSError:  # a read-only store still serves reads; gc then ages blocks by write time
