@@ -130,8 +130,8 @@ class Locality:
         if stuck:
             di.reschedule(s, [ts.key for ts in stuck], stimulus_id)
             moved = sum(ts.state != "no-worker" for ts in stuck)
-            if moved:
-                self._events.record("rescheduled", None, keys=moved)
+            if moved:  # a count: a cluster event names no tenant's keys
+                self._events.record("rescheduled", None, tasks=moved)
 
     def release_paused(self, now: float, stimulus_id: str) -> int:
         """KV tasks stuck in no-worker, strictly placed only on workers paused for at least

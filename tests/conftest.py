@@ -93,10 +93,11 @@ def batched_logit_tolerance(logits, dtype: str) -> float:
 # -- a real 2-process Dask cluster, one per test module that asks for it ------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    from daskflow_kv.runtime.cluster import local_cluster
+    from daskflow_kv.runtime.cluster import local_cluster, wait_for_restarts
 
     with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c:
         yield c
+        wait_for_restarts(c)  # a test killed a worker: let its nanny finish restarting before the close
 
 
 @pytest.fixture(scope="module")

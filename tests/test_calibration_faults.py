@@ -10,7 +10,7 @@ from distributed import Client
 
 from daskflow_kv.runtime import tasks
 from daskflow_kv.runtime.calibration import ProbeLost, settle
-from daskflow_kv.runtime.cluster import local_cluster
+from daskflow_kv.runtime.cluster import local_cluster, wait_for_restarts
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 
 
@@ -56,6 +56,7 @@ def test_calibration_finishes_when_a_worker_is_killed_mid_way():
         s = rt.materialize(rt.encode("After the worker died, calibration ended and work goes on."))
         g = rt.resume(s, rt.encode(" Go."), max_new_tokens=4)
         assert len(g.tokens) == 4
+        assert wait_for_restarts(cluster)  # the nanny's new worker is up: the cluster closes cleanly
 
 
 def test_calibration_waits_for_every_probe_timing_not_just_the_first():

@@ -22,3 +22,4 @@ def test_a_worker_killed_mid_stream_loses_no_workflow_and_hangs_nothing():
     assert out["completed"] == out["workflows"] == 12, out["errors"]
     assert out["wrong"] == 0
     assert len(out["kills"]) == 1 and out["kills"][0]["worker"].startswith("tcp://"), out["kill_errors"]
+    assert out["workers_back"]  # the nanny restarted the killed worker before the cluster closed

@@ -148,10 +148,11 @@ def test_a_cached_prefix_is_read_by_every_chunk(client, workers):
 # -- a worker dies mid-way -------------------------------------------------------------------------
 @pytest.fixture
 def own_client():
-    from daskflow_kv.runtime.cluster import local_cluster
+    from daskflow_kv.runtime.cluster import local_cluster, wait_for_restarts
 
     with local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as c, Client(c) as cl:
         yield cl
+        wait_for_restarts(c)  # the test killed a worker: let its nanny finish restarting before the close
 
 
 def _slow_sends(seconds):

@@ -102,3 +102,6 @@ def test_kv_task_loosened_while_no_worker_is_left_runs_on_a_new_worker():
             what="the task to wait for a worker")
         cluster.scale(1)
         assert fut.result(timeout=60) == 3
+        # the plugin moved it (on add_worker or a tick) and said so, as a count: no tenant's keys
+        moved = [e for _, e in client.get_events("daskflow-kv") if e.get("op") == "rescheduled"]
+        assert moved and all(e["tasks"] >= 1 and "keys" not in e for e in moved), moved

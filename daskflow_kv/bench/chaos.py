@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..flow.compiler import compile_workflow
 from ..flow.executor import run_state_mode, run_text_mode
+from ..runtime.cluster import wait_for_restarts
 from .load_stream import Arrival, build, doc_sequence, documents
 
 
@@ -165,6 +166,7 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
     out = summarize(list(results.values()), killer.kills, before, after, wall, cfg)
     out["waiting_on"] = waiting_on  # what the unfinished workflows' tasks were waiting on, if any
     out["kill_errors"] = killer.errors[:10]
+    out["workers_back"] = wait_for_restarts(cluster)  # the cluster can close cleanly
     return out
 
 

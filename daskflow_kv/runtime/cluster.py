@@ -80,6 +80,23 @@ def local_cluster(
         )
 
 
+def wait_for_restarts(cluster, timeout: float = 120.0) -> bool:
+    """Wait until the nannies have every worker of ``cluster`` running again -> whether they do.
+
+    Call it before closing a cluster whose workers were killed: on distributed 2026.7.1 a
+    nanny closing a worker that is still starting spends its close timeout (5 s) waiting for
+    the start, then gives the killed process no time to exit and raises TimeoutError out of
+    ``cluster.close()`` (fixed in 2026.8.0). Seen on a loaded CI machine after a chaos test.
+    """
+    n = len(cluster.workers)
+    try:
+        if n:
+            cluster.wait_for_workers(n, timeout=timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
 def connect(address: str, timeout: str | float = "10s", security=None, **client_kwargs):
     """A Client on an existing scheduler, with the KV plugins registered (idempotently).
 
