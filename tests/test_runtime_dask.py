@@ -11,7 +11,8 @@ import pytest
 from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine, wait_until
 from distributed import Client
 
-from daskflow_kv.policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, decide
+from daskflow_kv.policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, calibration_lengths, decide
+from daskflow_kv.runtime.calibration import probes_arrived
 from daskflow_kv.errors import IncompatibleStateError, StateReleasedError
 from daskflow_kv.state.catalog import ARROW_COLUMNS
 from daskflow_kv.runtime.kv_runtime import KVRuntime
@@ -342,7 +343,11 @@ def test_bad_arguments_raise(rt):
 # -- calibration, and what is left behind ----------------------------------------------------
 def test_calibration_feeds_the_auto_plan(client, rt, workers):
     a, b = workers
-    cal = rt.calibrate(probe_bytes=4 << 20, probe_tokens=64)
+    before = {w: p["samples"] for w, p in rt.plugin.prefill_profiles().items()}
+    cal = rt.calibrate(probe_bytes=4 << 20, probe_tokens=512)  # long enough for probes to overlap
+    # every probe's timing came (probes sent together shared a batch and had none of their own:
+    # the calibration waited out its 10 s deadline and reported one-sample profiles)
+    assert probes_arrived(cal["prefill_profiles"], before, workers, len(calibration_lengths(512)))
     assert set(cal["bandwidth"]) == {f"{a}->{b}", f"{b}->{a}"} and all(v > 0 for v in cal["bandwidth"].values())
     assert set(cal["prefill_profiles"]) == {a, b}
     root = rt.materialize(_ctx(rt, "calibrated"), worker=a)

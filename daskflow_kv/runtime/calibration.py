@@ -97,26 +97,29 @@ def measure_link(client, src: str, dst: str, nbytes: int, device: str = "cpu") -
 
 
 def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> list[str]:
-    """Prefill each length once on every worker, all workers at once (each reports its timing).
-    -> the workers whose probes were lost (not measured)."""
+    """Prefill each length once on every worker, all workers at once but one length at a time
+    (each reports its timing). -> the workers whose probes were lost (not measured).
+
+    One at a time per worker: probes submitted together join one running batch on the
+    worker's step loop, and a prefill that shared its steps has no timing of its own (the
+    profile skips it): the calibration then waited out its deadline for timings that never came.
+    """
     rng = random.Random(0)
-    futures = []
+    lost: list[str] = []
     for n in sizes:
         n = min(n, facts.max_positions - 1)
         tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(n))
         req = tasks.PrefillRequest(tokens, 0, op="calibrate")
-        futures += [(w, client.submit(tasks.prefill, spec, req, workers=[w], allow_other_workers=False, pure=False))
-                    for w in workers]
-    lost = []
-    for w in workers:
-        mine = [f for x, f in futures if x == w]
-        try:
-            settle(client, mine, [w])
-        except ProbeLost as e:
-            logger.warning("%s: %s", w, e)
-            lost.append(w)
-            continue
-        for f in mine:
+        live = [w for w in workers if w not in lost]
+        futures = {w: client.submit(tasks.prefill, spec, req, workers=[w], allow_other_workers=False, pure=False)
+                   for w in live}
+        for w, f in futures.items():
+            try:
+                settle(client, [f], [w])
+            except ProbeLost as e:
+                logger.warning("%s: %s", w, e)
+                lost.append(w)
+                continue
             f.result()  # a failed probe says so here
     return lost
 
