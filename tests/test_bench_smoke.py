@@ -44,6 +44,9 @@ def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
     assert {r["exp"] for r in runs} == {"exp1", "exp2"}
     assert all(r["agree"] is True for r in runs), [(r["exp"], r["system"]) for r in runs if not r["agree"]]
     assert all(r["wall_s"] > 0 and r["generated_tokens"] > 0 for r in runs)
+    # a worker cannot compute for longer than the workflow ran (batched requests counted once)
+    assert all(0 < r["busiest_compute_s"] <= 1.01 * r["wall_s"] for r in runs), \
+        [(r["system"], r["busiest_compute_s"], r["wall_s"]) for r in runs if r["busiest_compute_s"] > r["wall_s"]]
     for r in runs:
         # one TTFT definition: from the workflow's start, shared prefill included
         if r["phase"] == "cold":
@@ -128,6 +131,32 @@ def test_summary_refuses_a_ttft_before_the_shared_context_and_ratios_use_the_bes
            "tag": "t", "command": "c"}
     md = markdown(doc, summary)
     assert "INVALID" in md and "0.300" not in md
+
+
+def test_busy_seconds_counts_overlapping_requests_once():
+    from daskflow_kv.bench.common import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 1.0), (2.0, 3.0)]) == pytest.approx(2.0)  # apart: summed
+    assert busy_seconds([(0.0, 2.0), (1.0, 3.0), (1.5, 1.8)]) == pytest.approx(3.0)  # batched: their union
+    assert busy_seconds([(5.0, 6.0), (0.0, 1.0), (0.5, 5.5)]) == pytest.approx(6.0)  # any order
+
+
+def test_summary_refuses_an_omega_whose_compute_exceeds_the_wall():
+    from daskflow_kv.bench.report_md import markdown
+    from daskflow_kv.bench.summary import gain, summarize
+
+    runs = [{**_row(s, "cold", 3.0, 1.0, wall=4.0), "exp": "exp2", "k": 4, "busiest_compute_s": c,
+             "omega_s": 4.0 - c} for s, c in (("text", 13.0), ("local", 3.0), ("dkv", 3.5))]
+    summary = summarize(runs)
+    text = next(r for r in summary if r["system"] == "text")
+    assert text["overhead_invalid"] and text["omega_s"] is None and text["wall_s"] == 4.0  # only the overhead
+    assert gain(summary, "exp2", 4, "cold", "omega_s") == (pytest.approx(1.0 / 0.5), "local")  # not text's -9
+    doc = {"machine": {"cpu": "x", "cores": 2, "torch": "t", "transformers": "t", "dask": "d", "distributed": "d"},
+           "config": {"model": "m", "workers": 2, "reps": 1, "max_new_tokens": 4,
+                      "systems": ["text", "local", "dkv"]}, "tag": "t", "command": "c"}
+    md = markdown(doc, summary)
+    assert "**INVALID Omega**" in md and "-9.000" not in md
 
 
 def test_router_prefills_in_parallel_when_idle_and_follows_the_cache():

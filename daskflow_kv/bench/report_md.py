@@ -12,7 +12,8 @@ import math
 
 from .common import mib
 from .exp7_why import why as exp7_why
-from .summary import BASELINES, POINT_KEY, SUBJECT, exp3_errors, gain, saturation, targets, usable, value
+from .summary import (BASELINES, OVERHEAD_FIELDS, POINT_KEY, SUBJECT, exp3_errors, gain, saturation, targets,
+                      usable, value)
 from .systems import LABELS
 
 BASELINE_NOTES = {
@@ -59,6 +60,8 @@ def _val(r, metric, fmt="{:.3f}", spread=False) -> str:
         return r["invalid"]
     if not r.get("reps"):
         return "FAILED"
+    if metric in OVERHEAD_FIELDS and r.get("overhead_invalid"):
+        return "INVALID"
     v = value(r, metric)
     text = _cell(v, fmt)
     lo, hi = r.get(metric + "_min"), r.get(metric + "_max")
@@ -299,7 +302,9 @@ def markdown(doc: dict, summary: list[dict]) -> str:
          "for text replay, which never holds it alone, the end of its first prompt prefill). A cold row with "
          "mean TTFT < shared_prefill_wall_s is refused (INVALID). Cold = every system's caches emptied first; "
          "warm = the shared context left cached by an earlier workflow (same prefix, other questions) run by "
-         "the same system, where that system keeps it. Omega = wall - model compute of the busiest worker. "
+         "the same system, where that system keeps it. Omega = wall - model compute of the busiest worker "
+         "(the union of its requests' compute: batched ones overlap); a busiest compute above the wall is "
+         "refused (INVALID). "
          "Every system's tokens are compared with text replay's; a mismatch voids its speed (MISMATCH)."),
         "",
     ]
@@ -315,6 +320,12 @@ def markdown(doc: dict, summary: list[dict]) -> str:
     if bad:
         lines += ["**INVALID** (TTFT before the shared context was ready; not reported): "
                   + ", ".join(" ".join(f) for f in bad), ""]
+    over = sorted({(r["exp"], str(r[POINT_KEY[r["exp"]]]), r["system"], r["phase"]) for r in summary
+                   if r.get("overhead_invalid")})
+    if over:
+        lines += ["**INVALID Omega** (the busiest worker's compute exceeded the wall: batched requests were "
+                  "summed, before the run counted their union; not reported): " + ", ".join(" ".join(f) for f in over),
+                  ""]
     lines += ["**Output agreement:** " + ("every system matched text replay token for token at every point."
                                           if not mism else "MISMATCH at " + ", ".join(" ".join(f) for f in mism)), ""]
     if any(r["exp"] == "exp1" for r in summary):

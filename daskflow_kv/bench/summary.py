@@ -4,8 +4,10 @@ Medians over repetitions per (experiment, point, system, phase), with the spread
 max). A system whose tokens differed from text replay's at a point gets no speed there:
 its timing cells are blank and the summary says MISMATCH. A cold row whose mean TTFT lies
 before its shared context was ready (``ttft_mean_s < shared_prefill_wall_s``) is a timing
-bug, not a result: its speed is refused the same way (INVALID). ``targets`` checks the
-benchmark issue's targets against the summary.
+bug, not a result: its speed is refused the same way (INVALID). So is an overhead (Omega)
+whose busiest worker computed for longer than the workflow's wall (``overhead_invalid``):
+requests batched together were summed (runs before ``common.busy_seconds``). ``targets``
+checks the benchmark issue's targets against the summary.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ MEDIAN_FIELDS = SPEED_FIELDS + ("tokens_prefilled", "kv_bytes_copied", "bytes_tr
                                 "rss_peak_delta_bytes", "dask_kv_peak_bytes", "generated_tokens", "prompt_tokens",
                                 "prefix_tokens", "offered_per_min", "completed", "failed", "hit_rate", "transfers",
                                 "evictions", "evictions_regretted", "repeat_prefill_tokens", "plan_error_median_s")
+OVERHEAD_FIELDS = ("busiest_compute_s", "omega_s", "omega_frac")  # refused together (overhead_invalid)
 SPREAD_FIELDS = ("wall_s", "ttft_mean_s", "completed_per_min", "latency_p95_s", "tokens_prefilled")  # min and max over repetitions too
 POINT_KEY = {"exp1": "context", "exp2": "k", "exp6": "workflow", "exp7": "point"}  # exp7: "<stream> <rate>/min"
 PHASES = ("cold", "warm", "stream")
@@ -65,6 +68,10 @@ def summarize(runs: list[dict]) -> list[dict]:
             n = max(len(r.get("round_ttft_s") or []) for r in rs)
             row["round_ttft_s"] = [median([(r.get("round_ttft_s") or [math.nan] * n)[i] for r in rs])
                                    for i in range(n)]
+        if any(r.get("busiest_compute_s", 0) > 1.01 * r.get("wall_s", math.inf) for r in rs):
+            for f in OVERHEAD_FIELDS:  # more compute than wall on one worker: overlapping requests summed
+                row[f] = None
+            row["overhead_invalid"] = True
         if agree is False or row["ttft_invariant_ok"] is False:
             for f in (*SPEED_FIELDS, *(f + s for f in SPREAD_FIELDS for s in ("_min", "_max")), "round_ttft_s"):
                 row[f] = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from ..dask_internals import worker_addresses
 from ..keys import PREFILL_TOPIC, holds_kv
 from . import local_engine as le
+from .common import busy_seconds
 from . import worker_tasks as wt
 from .router import CacheAwareRouter
 from .workload import Workload
@@ -137,6 +138,11 @@ def workers_of(client) -> list[str]:
     return worker_addresses(client)
 
 
+def _busy(spans: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Model seconds per worker: the union of its requests' compute (batched ones overlap)."""
+    return {w: busy_seconds(v) for w, v in spans.items()}
+
+
 def _first_ready(start: float, per_worker: list[dict]) -> float | None:
     """When the first copy of the prefix existed: the start if a worker already held it."""
     times = [start if o.get("prefix_tokens_computed", 1) == 0 else o["prefix_ready_at"] for o in per_worker]
@@ -151,11 +157,13 @@ def run_text(b: Bench, wl: Workload) -> SystemRun:
             for i, p in enumerate(wl.prompts)]
     results = rt.client.gather(futs)
     wall = time.time() - t0
-    agents, compute = [], {}
+    agents, spans = [], {}
     for i, r in enumerate(results):
         m = r.metrics
         agents.append(AgentRun(i, r.worker, list(r.generated), m["first_token_at"], m["ttft_s"], m["decode_s"]))
-        compute[r.worker] = compute.get(r.worker, 0.0) + m["load_s"] + m["prefill_s"] + m["decode_s"] + m["export_s"]
+        spans.setdefault(r.worker, []).append((m["first_token_at"] - m["load_s"] - m["prefill_s"],
+                                               m["first_token_at"] + m["decode_s"] + m["export_s"]))
+    compute = _busy(spans)
     bpt = rt.facts.bytes_per_token
     per_worker: dict[str, int] = {}
     for a, p in zip(agents, wl.prompts):
@@ -179,20 +187,20 @@ def run_hf(b: Bench, wl: Workload) -> SystemRun:
             for w, branches in groups.items()]
     outs = rt.client.gather(futs)
     wall = time.time() - t0
-    agents, compute, shared, copied, kv, tokens = [], {}, 0.0, 0, 0, 0
+    agents, spans, shared, copied, kv, tokens = [], {}, 0.0, 0, 0, 0
     for out in outs:
         w = out["worker"]
         shared += out["prefix_prefill_s"]
         kv += out["peak_kv_bytes"]
-        busy = out["prefix_prefill_s"]
+        spans.setdefault(w, []).append((out["start"], out["prefix_ready_at"]))
         tokens += out["prefix_tokens_computed"]
         for br in out["branches"]:
             agents.append(AgentRun(br["index"], w, br["tokens"], br["first_token_at"], br["prefill_s"] + br["copy_s"],
                                    br["decode_s"]))
-            busy += br["stop"] - br["start"]
+            spans[w].append((br["start"], br["stop"]))
             copied += br["copied_bytes"]
             tokens += br["tokens_computed"]
-        compute[w] = compute.get(w, 0.0) + busy
+    compute = _busy(spans)
     agents.sort(key=lambda a: a.index)
     return SystemRun("hf", t0, wall, agents, compute, shared, tokens, kv_bytes_copied=copied, kv_accounted_bytes=kv,
                      shared_ready_at=_first_ready(t0, outs))
@@ -224,18 +232,18 @@ def run_local(b: Bench, wl: Workload) -> SystemRun:
     t0 = time.time()
     outs = finish_local(b, wl.prefix, wl.suffixes, submit_local(b, wl.prefix, wl.suffixes, wl.max_new_tokens))
     wall = time.time() - t0
-    agents, compute, shared, kv, tokens = [], {}, 0.0, 0, 0
+    agents, spans, shared, kv, tokens = [], {}, 0.0, 0, 0
     for out in outs:
         w = out["worker"]
         shared += out["prefix_prefill_s"]
         kv += out["peak_kv_bytes"]
         tokens += out["prefix_tokens_computed"]
-        compute[w] = compute.get(w, 0.0) + out["stop"] - out["start"]
+        spans.setdefault(w, []).append((out["start"], out["stop"]))
         for br in out["branches"]:
             agents.append(AgentRun(br["index"], w, br["tokens"], br["first_token_at"], br["prefill_s"], br["decode_s"]))
             tokens += br["tokens_computed"]
     agents.sort(key=lambda a: a.index)
-    return SystemRun("local", t0, wall, agents, compute, shared, tokens,
+    return SystemRun("local", t0, wall, agents, _busy(spans), shared, tokens,
                      kv_bytes_copied=b.rt.facts.bytes_per_token * len(wl.prefix) * len(outs), kv_accounted_bytes=kv,
                      shared_ready_at=_first_ready(t0, outs), batched_branches=max(len(o["branches"]) for o in outs))
 
@@ -250,9 +258,10 @@ def run_dkv(b: Bench, wl: Workload, policy: str = "auto", name: str = "dkv") -> 
     wall = time.time() - t0
     need_event = made.get("tokens_computed", 0) > 0
     events = prefill_events(rt.client, t0, prefix.state_id if need_event else None)
-    agents, decisions, compute = [], {}, {}
+    agents, decisions, spans = [], {}, {}
     for e in events:
-        compute[e["worker"]] = compute.get(e["worker"], 0.0) + e["task_seconds"]
+        spans.setdefault(e["worker"], []).append((e["done_at"] - e["task_seconds"], e["done_at"]))
+    compute = _busy(spans)
     context = [e for e in events if e["state_id"] == prefix.state_id or e["op"] == "recompute"]
     shared = sum(e["seconds"] + e.get("load_seconds", 0.0) for e in context)
     ready = made_at(context)
