@@ -160,3 +160,94 @@ def test_a_document_still_being_prefilled_is_waited_for_not_prefilled_again():
     assert all(not math.isnan(f.done_at) for f in sim.flows)
     assert sim.prefilled < 2 * doc  # the document once, plus what each workflow adds
     assert not sim.pending  # every block in flight was made
+
+
+def test_a_prefix_shared_up_to_a_segment_boundary_inside_a_block_is_reused_to_there():
+    """Two prompts sharing a 1053-token document, then text of their own: the runtime's lookup
+    (``PrefixIndex.match``, the plugin's catalog) matches whole blocks, then the next cached
+    block token by token, so the second reuses all 1053 tokens, and a group's prefix is the
+    whole common prefix (``compiler.group_by_prefix``), not cut to 64-token blocks. Before,
+    chains were cut every 64 tokens only and group prefixes floored to a block: every agent
+    re-prefilled the document's 29-token tail (and its group's shared task text) itself."""
+    a = (("doc:0", 1053), ("own:0:a", 20))
+    b = (("doc:0", 1053), ("out:1:x", 26), ("own:1:b", 20))
+    ca, cb = blocks.chain(a, 1072), blocks.chain(b, 1098)
+    assert ca[16][1:] == (1024, 1053) and ca[16][0] == cb[16][0]  # the document's tail: one shared block
+    assert ca[17][0] != cb[17][0]
+    cache = blocks.LRUCache(1 << 40)
+    cache.keep("a", tuple((k, (e - s) * 8) for k, s, e in ca))
+    assert cache.cached(cb) == 1053
+    assert blocks.common_prefix([a, a[:1] + (("own:0:c", 9),)]) == 1053  # whole common segments, no block floor
+    assert blocks.common_prefix([a]) == 1072  # a lone agent: all but its last token
+    assert blocks.common_prefix([(("doc:0", 100), ("own:0:a", 1)), (("doc:0", 100),)]) == 99
+
+
+def test_agents_of_a_level_share_the_head_of_their_task_text():
+    """Exp 7's readers' prompts are equal up to 'Request 0. Answer from the document, focusing
+    on', the debaters' up to 'Request 1. Round 1: argue': the measured groups' resumes fed
+    ~9 tokens an agent (640 in all, every exp 7 row). That head is a segment of its own
+    (``task:``), so the group's prefix runs through it; prompt lengths are unchanged, and a
+    trace keeps it shared."""
+    from daskflow_kv.sim.workload import task_head
+
+    assert task_head(["Request 1. Round 1: argue for it.", "Request 1. Round 1: argue against it."]) \
+        == "Request 1. Round 1: argue"
+    assert task_head(["abc", "xyz"]) == ""
+    rag, debate = exp7_stream(2, 60.0, 1, "uniform")
+    readers = [c for c in rag.calls if c.level == 0]
+    assert len({c.segments[1] for c in readers}) == 1 and readers[0].segments[1][0].startswith("task:")
+    [(plen, members)] = systems.prefix_groups(readers)
+    assert len(members) == 3 and plen == sum(t for _, t in readers[0].segments[:2])
+    assert [c.segments[-1][0].startswith("own:") for c in debate.calls] == [True] * 5
+    synth = [c for c in rag.calls if c.level == 1][0]
+    assert not any(k.startswith("task:") for k, _ in synth.segments)  # alone in its level: no shared head
+    # per-agent prompt tokens as before the split: TASK_OVERHEAD + the estimate of its instructions
+    from daskflow_kv.sim import workload
+
+    for c in readers:
+        head_own = sum(t for k, t in c.segments if not k.startswith("doc:"))
+        instr = {"reader0": "costs", "reader1": "risks", "reader2": "the main claim"}[c.name]
+        full = f"Request 0. Answer from the document, focusing on {instr}."
+        assert head_own == workload.TASK_OVERHEAD + workload._est(full)
+
+
+def test_a_second_workflow_over_a_cached_document_prefills_only_its_own_text(prof, tmp_path):
+    """``local``, one worker, two RAG workflows over one document far apart: the second
+    reuses the whole document (1053 tokens, not 1024) at both levels and prefills its
+    readers' shared task head once for the group."""
+    rag = exp7_stream(3, 60.0, 1, "uniform")[::2]  # workflows 0 and 2: both RAG, document 0
+    late = [type(w)(w.index, 1000.0 * i, w.client, w.doc, w.calls) for i, w in enumerate(rag)]
+    one = run_system("local", prof, late[:1], 1)["tokens_prefilled"]
+    two = run_system("local", prof, late, 1)["tokens_prefilled"]
+    wf = late[1]
+    doc = wf.calls[0].segments[0][1]
+    head = wf.calls[0].segments[1][1]
+    readers = sum(1 for c in wf.calls if c.level == 0)
+    assert two - one == sum(c.prompt_tokens - doc for c in wf.calls) - (readers - 1) * head
+    path = tmp_path / "t.jsonl"  # a trace keeps the head shared: the same tokens replayed
+    write_trace(late, path)
+    assert run_system("local", prof, read_trace(path), 1)["tokens_prefilled"] == two
+
+
+def test_a_materialize_waiting_for_its_cached_part_counts_its_own_prediction():
+    """The materialize of a group whose cached part is still being made runs later, from a
+    callback; it must take back from the planned queue (``busy_s``) what its own plan put
+    there. It took the seconds of the group's last branch batch (a closure read ``pred``
+    after the branches reused the name), which drove a worker's busy_s below zero and the
+    planner's earliest-finish pick to an empty choice (``_pick``: min() of nothing)."""
+    from daskflow_kv.policy.cost_model import LinkProfile, PrefillProfile
+    from daskflow_kv.sim.profile import SimProfile
+
+    cpu = SimProfile("cpu-like", (PrefillProfile(0.0, 0.0055, 0.0),), LinkProfile(4e8, 0.014), 46080)
+    wfs = exp7_stream(64, 36.0, 4, "uniform")
+    sim = systems.DaskflowSystem(cpu, 2)
+    task, low = sim._task, []
+
+    def watched(f, w, *a, **kw):
+        task(f, w, *a, **kw)
+        low.append(sim.planned[w.idx])
+
+    sim._task = watched
+    sim.run(wfs)
+    assert all(not math.isnan(f.done_at) for f in sim.flows)
+    assert min(low) > -1e-9

@@ -3,8 +3,9 @@
 ``chain``: the content-addressed blocks covering a prompt's first tokens, as the runtime
 keys them (``keys``: hash of the parent block and the block's tokens): here a block's key
 names the segment keys it covers and where it ends, so two prompts that share leading
-segments share those blocks, and a block straddling into a workflow's own text is that
-workflow's alone.
+segments share those blocks. Blocks also end where a segment ends, so a prefix shared up
+to a segment boundary inside a 64-token block is matched to that boundary, as the
+runtime's lookups match a cached block's tokens one by one past the last whole block.
 
 ``Ledger``: a daskflow-kv worker's share of the shared tier - its blocks with the fields
 ``policy.eviction.BlockUsage`` scores (last access, reuse count, pins, parent), the bytes it
@@ -41,29 +42,42 @@ def chain(segments: tuple, tokens: int) -> tuple[tuple[str, int, int], ...]:
     hit = _CHAINS.get(memo)
     if hit is not None:
         return hit
-    out, keys, seg_end, i = [], [], 0, 0
-    for start in range(0, tokens, BLOCK):
-        end = min(start + BLOCK, tokens)
+    # Block ends: every BLOCK tokens, and every segment boundary. A lookup matches whole blocks by
+    # key, then the next cached block token by token (``PrefixIndex.match``; the scheduler's
+    # catalog the same way): two prompts share exactly the tokens of their common leading
+    # segments, also when that run ends inside a block (a document's 29-token tail before each
+    # workflow's own text). Here content is known per segment, so a block is cut where a
+    # segment ends: its key names the content up to there, and a match stops there.
+    cuts, pos = set(range(BLOCK, tokens, BLOCK)), 0
+    for _, n in segments:
+        pos += n
+        if 0 < pos < tokens:
+            cuts.add(pos)
+    cuts.add(tokens)
+    out, keys, seg_end, i, start = [], [], 0, 0, 0
+    for end in sorted(c for c in cuts if c > 0):
         while seg_end < end and i < len(segments):  # segments this block touches
             keys.append(segments[i][0])
             seg_end += segments[i][1]
             i += 1
         out.append((_key((tuple(keys), end)), start, end))
+        start = end
     _CHAINS[memo] = res = tuple(out)
     return res
 
 
 def common_prefix(prompts: list[tuple]) -> int:
-    """Tokens of the longest run of leading segments every prompt shares, cut to whole blocks."""
+    """Tokens of the longest run of leading segments every prompt shares, as the compiler's
+    ``group_by_prefix`` takes a group's prefix: the whole common prefix, not cut to blocks,
+    less one token of the shortest prompt (every member feeds at least one token of its own:
+    decoding needs its last token's logits)."""
     first, n = prompts[0], 0
     for i, (k, t) in enumerate(first):
         if any(len(p) <= i or p[i][0] != k for p in prompts[1:]):
             break
         n += t
-    if len(prompts) > 1:
-        shortest = min(sum(t for _, t in p) for p in prompts)
-        n = min(n, shortest - 1)  # every member prefills at least one token of its own
-    return max(0, n // BLOCK * BLOCK)
+    shortest = min(sum(t for _, t in p) for p in prompts)
+    return max(0, min(n, shortest - 1))
 
 
 @dataclass(slots=True)

@@ -388,8 +388,10 @@ class DaskflowSystem(System):
                 self.pending.setdefault(k, (t.idx, mat))
             pred = t.prof.seconds(plen - cached, cached)
             self.planned[t.idx] += pred
-            made.then(lambda: self._task(f, t, blocks[len(match.blocks):], blocks[:len(match.blocks)],
-                                         (plen - cached, cached, 0), pred, mat.fire, planned=pred))
+            # ``pred`` bound now: the name is reused for the branches below, and a materialize
+            # waiting for its cached part (made by another workflow) runs after they are planned
+            made.then(lambda pred=pred: self._task(f, t, blocks[len(match.blocks):], blocks[:len(match.blocks)],
+                                                   (plen - cached, cached, 0), pred, mat.fire, planned=pred))
             view = view.with_queue(t.name, self._busy(t) if self.count_planned else t.queued_s + pred)
         elif not mat.done:
             made.then(mat.fire)

@@ -13,8 +13,10 @@ Trace format (one JSON object per line, one line per workflow)::
          "segments": [["doc:3", 1060], ["out:reader0", 22], ["own", 12]]}]}
 
 ``at`` is seconds after the stream's start; a segment key other than ``doc:...`` is made
-unique to its workflow (``out:reader0`` of workflow 5 is not workflow 6's). ``level`` may be
-left out (then computed from the ``out:`` segments).
+unique to its workflow (``out:reader0`` of workflow 5 is not workflow 6's): ``out:`` and
+``task:`` keys are shared by that workflow's agents (an upstream output; the head of a task
+text several agents share, e.g. ``["task:reader0", 14]``), any other key is the agent's own.
+``level`` may be left out (then computed from the ``out:`` segments).
 
 ``exp7_stream`` builds exp 7's workflows with ``bench.load_stream`` (its ``doc_sequence``,
 ``schedule`` and ``build``: the same seeds, documents and agents as the measured stream) and
@@ -81,7 +83,8 @@ def workflow_calls(wf, index: int, doc: int, context: int) -> tuple[SimCall, ...
     for ctx in wf.contexts.values():
         doc_tokens += _est(f"## {ctx.title or ctx.name}\n") + context
     level: dict[str, int] = {}
-    calls = []
+    heads: dict[tuple, list[str]] = {}  # agents whose prompts are equal up to their task text
+    rows = []
     for name, agent in wf.agents.items():
         segs = [(f"doc:{doc}", doc_tokens)]
         lvl = 0
@@ -91,9 +94,37 @@ def workflow_calls(wf, index: int, doc: int, context: int) -> tuple[SimCall, ...
             segs.append((f"out:{index}:{r}", READ_OVERHEAD + _est(f"## {r} said\n") + wf.agents[r].max_new_tokens))
             lvl = max(lvl, level[r] + 1)
         level[name] = lvl
-        segs.append((f"own:{index}:{name}", TASK_OVERHEAD + _est(agent.instructions)))
+        heads.setdefault((lvl, tuple(agent.reads)), []).append(name)
+        rows.append((name, agent, lvl, segs))
+    calls = []
+    for name, agent, lvl, segs in rows:
+        own = TASK_OVERHEAD + _est(agent.instructions)
+        peers = heads[(lvl, tuple(agent.reads))]
+        head = task_head([wf.agents[p].instructions for p in peers]) if len(peers) > 1 else ""
+        if head:  # "## Task\nRequest 3. Round 1: argue": shared by the peers' prompts, so by their group's prefix
+            n = min(own - 1, _est("## Task\n" + head))
+            segs.append((f"task:{index}:{peers[0]}", n))
+            own -= n
+        segs.append((f"own:{index}:{name}", own))
         calls.append(SimCall(name, lvl, tuple(segs), agent.max_new_tokens))
     return tuple(calls)
+
+
+def task_head(texts: list[str]) -> str:
+    """The leading words every one of ``texts`` shares (cut before the first word that differs:
+    a byte-level BPE token starts with its word's space, so the shared tokens end there)."""
+    first = texts[0]
+    n = len(first)
+    for t in texts[1:]:
+        n = min(n, len(t))
+        for i in range(n):
+            if first[i] != t[i]:
+                n = i
+                break
+    if n == len(first) and all(len(t) == n for t in texts):
+        return first
+    cut = first.rfind(" ", 0, n + 1)
+    return first[:cut] if cut > 0 else ""
 
 
 def exp7_stream(n: int, rate_per_min: float, docs: int, kind: str = "zipf", context: int = 1024, max_new: int = 16,
@@ -138,8 +169,9 @@ def read_trace(path: str | Path) -> list[SimWorkflow]:
                 k = str(k)
                 if int(t) < 0:
                     raise ValueError(f"trace line {i + 1}: negative token count in segment {k!r}")
-                if k.startswith("out:"):
-                    k = f"out:{i}:{k[4:]}"  # another agent's output in this workflow
+                if k.startswith(("out:", "task:")):
+                    head, rest = k.split(":", 1)
+                    k = f"{head}:{i}:{rest}"  # another agent's output, or a task head, in this workflow
                 elif not k.startswith("doc:"):
                     k = f"{k}:{i}:{a['name']}"  # the agent's own text
                 segs.append((k, int(t)))
