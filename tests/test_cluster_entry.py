@@ -53,11 +53,14 @@ def test_dask_scheduler_preload_loads_the_plugin(tmp_path):
         procs.append(_spawn([*_dask_cli(), "worker", "--scheduler-file", str(sched_file), "--nthreads", "1",
                              "--no-nanny", "--no-dashboard", "--memory-limit", "2GiB",
                              "--preload", kvc.WORKER_PRELOAD], log))
-        deadline = time.time() + 60
-        while not sched_file.exists() and time.time() < deadline:
+        deadline, address = time.time() + 60, None
+        while address is None and time.time() < deadline:
             assert procs[0].poll() is None, (tmp_path / "log.txt").read_text()
-            time.sleep(0.1)
-        address = json.loads(sched_file.read_text())["address"]
+            try:  # Dask writes the file in place: it can exist and still be empty or half-written
+                address = json.loads(sched_file.read_text())["address"]
+            except (FileNotFoundError, ValueError):
+                time.sleep(0.1)
+        assert address, "no scheduler file within 60 s: " + (tmp_path / "log.txt").read_text()
         client = kvc.connect(address, timeout="30s")  # registers the plugin again: must keep the preloaded one
         try:
             client.wait_for_workers(1, timeout=60)
