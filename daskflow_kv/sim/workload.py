@@ -28,6 +28,7 @@ document segment has exactly ``context`` tokens, as ``load_stream.documents`` ma
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,13 +115,7 @@ def task_head(texts: list[str]) -> str:
     """The leading words every one of ``texts`` shares (cut before the first word that differs:
     a byte-level BPE token starts with its word's space, so the shared tokens end there)."""
     first = texts[0]
-    n = len(first)
-    for t in texts[1:]:
-        n = min(n, len(t))
-        for i in range(n):
-            if first[i] != t[i]:
-                n = i
-                break
+    n = len(os.path.commonprefix(texts))
     if n == len(first) and all(len(t) == n for t in texts):
         return first
     cut = first.rfind(" ", 0, n + 1)
