@@ -251,3 +251,107 @@ def test_a_materialize_waiting_for_its_cached_part_counts_its_own_prediction():
     sim.run(wfs)
     assert all(not math.isnan(f.done_at) for f in sim.flows)
     assert min(low) > -1e-9
+
+
+# -- decode rows and the shared host (``sim.decode``) ---------------------------------------------
+def _run(exp="exp1", system="local", agents=4, bb=4, used=1, prompt=1023, decode_s=1.0, new=16, generated=None):
+    return {"exp": exp, "system": system, "agents": agents, "batched_branches": bb, "prompt_tokens": prompt,
+            "workers_used": [f"w{i}" for i in range(used)], "max_new_tokens": new, "decode_s": decode_s,
+            "generated_tokens": agents * new if generated is None else generated}
+
+
+def test_decode_samples_are_the_step_loop_runs_that_decoded_every_token():
+    from daskflow_kv.sim.decode import DecodeSample, decode_samples
+
+    runs = [_run(decode_s=4.8), _run(system="dkv", bb=2, used=2, decode_s=6.0),
+            _run(system="text"), _run(system="hf"),  # not the step loop's decodes
+            _run(generated=61),  # an early stop: fewer steps than 15 a branch
+            _run(exp="exp7")]  # the fidelity check's own rows: never fitted on
+    assert decode_samples(runs) == [DecodeSample((4,), 1023, 4.8 / 4 / 15), DecodeSample((2, 2), 1023, 6.0 / 4 / 15)]
+
+
+def test_fit_decode_recovers_the_terms_it_was_made_from():
+    from daskflow_kv.sim.decode import DecodeProfile, DecodeSample, fit_decode
+
+    true = DecodeProfile(0.044, 0.005, 4e-6, 0.023)
+
+    def sample(rows, pos):  # the mean step of a branch, each worker's rows decoding together
+        both = len(rows) > 1
+        return DecodeSample(rows, pos, sum(k * true.step_seconds([pos] * k, both) for k in rows) / sum(rows))
+
+    got = fit_decode([sample((1,), 1023), sample((4,), 1023), sample((4,), 511), sample((4,), 4095),
+                      sample((2, 2), 1023), sample((2, 2), 4095), sample((10, 6), 1025)])
+    for f in ("fixed", "per_row", "per_key", "shared"):
+        assert getattr(got, f) == pytest.approx(getattr(true, f), rel=1e-6)
+    assert fit_decode([sample((4,), 1023)] * 5) is None  # one batch size cannot separate fixed from per-row
+
+
+def test_a_decode_step_costs_the_decode_profile_not_a_one_token_prefill():
+    """The prefill profile priced a one-row decode step at a + b + c p (86-100 ms on the
+    measured workers, which decode one branch at ~48 ms a step) and a decode row at b + c p
+    (~4.6 ms, where rows cost ~9 ms). With a decode profile: its fixed cost for a step with
+    no prompt rows, its row cost for every decode row, the host's sharing cost on those
+    steps only (a prompt step's profile was fitted under it)."""
+    from daskflow_kv.policy.cost_model import PrefillProfile
+    from daskflow_kv.sim.decode import DecodeProfile
+    from daskflow_kv.sim.profile import step_seconds
+
+    p, d = PrefillProfile(0.09, 0.003, 1.5e-6), DecodeProfile(0.04, 0.005, 4e-6, 0.02)
+    assert step_seconds(p, [(1, 1000)] * 2) == pytest.approx(0.09 + 2 * (0.003 + 1.5e-6 * 1000.5))  # no decode profile
+    assert step_seconds(p, [(1, 1000)] * 2, d) == pytest.approx(0.04 + 2 * (0.005 + 0.004))
+    assert step_seconds(p, [(1, 1000)] * 2, d, shared=True) == pytest.approx(0.06 + 2 * 0.009)
+    chunk = p.a + p.b * 512 + p.c * 512 * 256
+    assert step_seconds(p, [(512, 0), (1, 1000)], d, shared=True) == pytest.approx(chunk + 0.009)
+
+
+def test_a_worker_pays_the_hosts_sharing_cost_while_its_peer_steps():
+    from daskflow_kv.policy.cost_model import PrefillProfile
+    from daskflow_kv.sim.decode import DecodeProfile
+    from daskflow_kv.sim.loop import EventLoop
+
+    p, d = PrefillProfile(0.09, 0.003, 1.5e-6), DecodeProfile(0.04, 0.005, 4e-6, 0.02)
+
+    def decode_time(host_mates: bool) -> float:
+        loop = EventLoop()
+        ws = [worker.ModeledWorker(i, p, loop, decode=d) for i in range(2)]
+        if host_mates:
+            ws[0].peers, ws[1].peers = (ws[1],), (ws[0],)
+        for w in ws:
+            w.submit(worker.Request(w.idx + 1, 0, 1000, 16, 0.0, lambda r: None))  # 16 decode steps each
+        loop.run()
+        return ws[1].busy_time
+
+    alone = decode_time(False)
+    assert alone == pytest.approx(sum(d.step_seconds([1000 + i]) for i in range(16)))  # its cache grows a token a step
+    assert decode_time(True) == pytest.approx(alone + 16 * 0.02)  # both step at once, every step
+
+
+def test_a_fitted_profile_prices_decodes_from_the_runs_decode_timings(tmp_path):
+    w = ["tcp://a:1", "tcp://b:1"]
+    doc = {"calibration": {"bandwidth": {f"{w[0]}->{w[1]}": 1e9}},
+           "prefill_profiles_end": {x: {"a": 0.09, "b": 0.003, "c": 1.5e-6} for x in w},
+           "machine": {"cpu": "x", "cores": 2}, "model": {"bytes_per_token": 46080},
+           "runs": [_run(agents=1, bb=1, decode_s=0.75), _run(decode_s=4.9), _run(prompt=511, decode_s=4.7),
+                    _run(prompt=4095, decode_s=7.9), _run(system="dkv", bb=2, used=2, decode_s=5.5)]}
+    path = tmp_path / "bench_y.json"
+    path.write_text(json.dumps(doc))
+    p = fitted_profile(path)
+    assert p.decode is not None and p.decode.samples == 5 and p.workers_per_host == 2
+    assert p.decode.fixed + p.decode.row_seconds(1023) == pytest.approx(0.75 / 15, rel=0.05)
+    del doc["runs"], doc["machine"]
+    path.write_text(json.dumps(doc))
+    p = fitted_profile(path)
+    assert p.decode is None and p.workers_per_host == 1  # nothing measured: decodes as one-token prefills
+
+
+def test_text_replay_spreads_a_levels_agents_over_the_workers(prof):
+    """Every agent of a level was sent to the worker with the least queued work, but a
+    worker's queue counts a request only when it arrives (a hop later): all of a level's
+    agents went to one worker, and text replay ran 60-70 % slower than measured on exp 1/2."""
+    from daskflow_kv.sim.workload import SimCall, SimWorkflow
+
+    calls = tuple(SimCall(f"a{i}", 0, (("doc:0", 1004), (f"own:0:a{i}", 19)), 16) for i in range(4))
+    sim = systems.TextSystem(prof, 2)
+    sim.run([SimWorkflow(0, 0.0, 0, 0, calls)])
+    assert [w.steps > 0 for w in sim.workers] == [True, True]
+    assert sim.workers[0].busy_time == pytest.approx(sim.workers[1].busy_time, rel=0.05)

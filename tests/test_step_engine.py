@@ -118,6 +118,36 @@ def test_attention_patterns(model):
     eng.stop()
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-mistral"])  # full attention; a sliding window
+def test_decode_rows_of_many_solo_requests_attend_together_exactly(engine_factory, model, monkeypatch):
+    """Ten requests, ragged prompts and limits, arriving in waves: the lane pool grows in slots
+    and in length while lanes decode, frees slots and reuses them; every decode row that
+    shares a step attends in one call (``_PoolRows``), and each request is still exact."""
+    from daskflow_kv.model import step_cache
+
+    calls = []
+    real = step_cache._PoolRows.attend
+    monkeypatch.setattr(step_cache._PoolRows, "attend", lambda self, *a: (calls.append(len(self.lanes)), real(self, *a)))
+    engine = engine_factory(model, "float32")
+    eng = StepEngine(engine.runner, step_tokens=64)
+    texts = [CONTEXTS[i % 4] * (1 + i // 4) for i in range(10)]  # later waves are longer: the slots lengthen
+    reqs = []
+    for i, text in enumerate(texts):
+        ctx, blocks = _prefix(engine, text)
+        reqs.append(StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[i % 4]), 3 + 2 * i, stream=i,
+                                return_logits=True))
+    futures = eng.submit(reqs[:5])
+    while eng.stats.completed < 1:
+        time.sleep(0.002)
+    futures += eng.submit(reqs[5:])
+    for r, f in zip(reqs, futures):
+        _assert_same(f.result(120), _alone(engine, r), "float32")
+    assert calls and max(calls) >= 3
+    pool = eng._cache.pool
+    assert pool.k == [] and not any(pool.owners)  # every lane left: the pool gave its memory back
+    eng.stop()
+
+
 def test_a_cancelled_request_leaves_at_the_next_step(engine_factory):
     engine = engine_factory("tiny-llama", "float32")
     eng = StepEngine(engine.runner, step_tokens=64)

@@ -39,6 +39,7 @@ from .batched import batched_twin
 from .batched_cache import CTX_KW, unsupported_layers
 from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
+from .lane_pool import LanePool
 from .step_cache import Group, Lane, StepCache
 
 logger = logging.getLogger("daskflow_kv.step_engine")
@@ -265,18 +266,27 @@ class StepEngine:
         if x.group is not None:
             group = next((y.lane.group for y in self._running if y.group == x.group and y.lane is not None), None)
         if group is None:
+            pool = self._step_cache().pool
+            solo = x.group is None and pool is not None and pool.accepts(r.prefix_len + cap)
             group = Group(rn.num_layers, rn.kv_heads, rn.head_dim, r.prefix_len, cap, x.group is not None, rn.dtype,
-                          rn.device)
+                          rn.device, pool if solo else None)
             group.load_prefix(r.prefix_blocks)
         group.fit(cap)
         lane = Lane(group, cap, rn.kv_heads, rn.head_dim, rn.dtype, rn.device)
         group.lanes.append(lane)
         return lane
 
+    def _step_cache(self) -> StepCache:
+        if self._cache is None:
+            rn = self.runner
+            self._cache = StepCache(self.config, rn.dtype, rn.device)
+            if self._cache.decode_fast:  # its decode rows can attend at once: solo groups live in one pool
+                self._cache.pool = LanePool(rn.num_layers, rn.kv_heads, rn.head_dim, rn.dtype, rn.device)
+        return self._cache
+
     def _packed_forward(self, packed: list[_Live], feeds: dict[int, int]) -> dict[int, torch.Tensor]:
         rn = self.runner
-        if self._cache is None:
-            self._cache = StepCache(self.config, rn.dtype, rn.device)
+        self._step_cache()
         ids, pos, last = [], [], {}
         for x in packed:
             toks = x.next_tokens(feeds[x.rid])
@@ -324,16 +334,21 @@ class StepEngine:
         if x.lane is not None and x.lane in x.lane.group.lanes:
             x.lane.group.lanes.remove(x.lane)
         self.stats.running = len(self._running)
-        if x.future.done():
-            return
-        if error is not None:
-            x.future.set_exception(error)
-            return
         try:
-            x.future.set_result(self._output(x))
-            self.stats.completed += 1
-        except Exception as e:  # noqa: BLE001 -- export failed: the caller gets why
-            x.future.set_exception(e)
+            if x.future.done():
+                return
+            if error is not None:
+                x.future.set_exception(error)
+                return
+            try:
+                x.future.set_result(self._output(x))
+                self.stats.completed += 1
+            except Exception as e:  # noqa: BLE001 -- export failed: the caller gets why
+                x.future.set_exception(e)
+        finally:  # after the export read its K/V: a pooled group's slot goes back
+            g = x.lane.group if x.lane is not None else None
+            if g is not None and not g.lanes and g.slot is not None:
+                self._cache.pool.release(g)
 
     def _output(self, x: _Live) -> RunOutput:
         r, m, rn = x.req, x.metrics, self.runner

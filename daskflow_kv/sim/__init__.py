@@ -6,12 +6,14 @@ store-read times come from a ``SimProfile`` (fitted from a bench results JSON, o
 hardware preset from public figures). One concept per file:
 
 ``profile``    what a modeled worker and link cost (fitted or preset);
+``decode``     what a decode row costs, fitted on a bench run's measured decode timings;
 ``workload``   the arrivals and prompt shapes (exp 7's generator, or a JSON-lines trace);
 ``blocks``     chains of 64-token KV blocks and the per-worker ledgers that hold them;
 ``worker``     a modeled worker: a step loop (``policy.step_schedule``) on a virtual clock;
 ``loop``       the event loop (a heap of timed callbacks);
 ``systems``    daskflow-kv, ``local`` and text replay, as schedulers over modeled workers;
-``report``     runs, metrics, the fidelity check and the JSON / markdown tables.
+``report``     runs, metrics, the fidelity check and the JSON / markdown tables;
+``plot``       the grid's figure (daskflow-kv / local throughput against workers).
 
 Nothing here imports torch or distributed; exp 7's generator (``bench.load_stream``) is
 imported lazily, only when a stream is generated rather than read from a trace.

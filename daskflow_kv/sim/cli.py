@@ -1,6 +1,6 @@
 """``daskflow-kv simulate``: the MODELED grid, the fidelity check, one run, or a trace replay.
 
-    daskflow-kv simulate                                  # grid + fidelity + speed -> benchmarks/results/simulation.*
+    daskflow-kv simulate                                  # grid + fidelity -> benchmarks/results/simulation.*
     daskflow-kv simulate --hardware h200-nvlink --workers 8 32 --streams zipf-budget
     daskflow-kv simulate --trace my.jsonl --workers 16 --systems daskflow-kv local
 """
@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from .plot import plot_ratios
 from .profile import PRESETS, fitted_profile, preset_profile
-from .report import STREAMS, fidelity, markdown, ratios, run_system, simulate_grid
+from .report import STREAMS, fidelity, fidelity_summary, markdown, ratios, run_system, simulate_grid
 from .workload import exp7_stream, read_trace
 
 BENCH = "benchmarks/results/bench_full.json"
@@ -30,11 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", nargs="+", default=["daskflow-kv", "local", "text"])
     p.add_argument("--streams", nargs="+", default=list(STREAMS), choices=STREAMS)
     p.add_argument("--per-worker", type=int, default=20, help="workflows per worker (capped at 10,240)")
+    p.add_argument("--rate-per-worker", type=float, default=18.0,
+                   help="workflows/min offered per worker (default %(default)s: exp 7's 36/min on 2 workers)")
     p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
     p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
     p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
     p.add_argument("--speed", action="store_true", help="also time 512 workers x 10,000 workflows (daskflow-kv)")
-    p.add_argument("--out", default="benchmarks/results/simulation", help="output stem: .json and .md (default %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/simulation",
+                   help="output stem: .json, .md and (several worker counts) .png (default %(default)s)")
     return p
 
 
@@ -53,6 +57,7 @@ def main(argv=None) -> int:
         return 0
     t0 = time.perf_counter()
     grid = simulate_grid(profile, args.workers, args.systems, args.streams, per_worker=args.per_worker,
+                         rate_per_worker=args.rate_per_worker,
                          progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} {r['system']:<12} "
                                                 f"{r['completed_per_min']:8.1f}/min p95 {r['latency_p95_s']:7.1f} s "
                                                 f"MODELED ({r['sim_wall_s']:.1f} s)"))
@@ -62,6 +67,7 @@ def main(argv=None) -> int:
               "grid": grid, "ratios": ratios(grid)}
     if not args.no_fidelity and not args.hardware and Path(args.profile_from).exists():
         result["fidelity"] = fidelity(args.profile_from, profile)
+        result["fidelity_summary"] = fidelity_summary(result["fidelity"])
     if args.speed:
         wfs = exp7_stream(10_000, 18.0 * 512, 1024, "zipf")
         from .report import exp7_budget
@@ -73,5 +79,7 @@ def main(argv=None) -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=lambda x: None if isinstance(x, float)
                                                    and math.isnan(x) else str(x)) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
-    say(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} in {result['wall_s']:.0f} s")
+    png = plot_ratios(result, out.with_suffix(".png")) if len(args.workers) > 1 else None
+    say(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}{' and ' + str(png) if png else ''} "
+        f"in {result['wall_s']:.0f} s")
     return 0

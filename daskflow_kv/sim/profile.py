@@ -4,8 +4,12 @@ Fitted: the ``calibration`` section of a bench results JSON (``benchmarks/result
 bench_full.json``): one fitted ``PrefillProfile`` per worker (t(n, p) = a + b n + c n (p + n/2))
 and the measured bandwidth and latency of every worker pair, plus the model's KV bytes per
 token. A forward step of the step loop costs what the profile says for the tokens it feeds
-(``step_seconds``), so a decode step is a one-token prefill per running request - the same
-convention ``policy.placement.batch_seconds`` uses.
+(``step_seconds``). Decode rows are priced by a ``decode.DecodeProfile`` fitted on the same
+JSON's measured decode timings when it has them (``fixed`` instead of ``a`` for a decode-only
+step, ``per_row + per_key p`` a row instead of ``b + c p``), and a decode-only step pays
+``shared`` more while another worker of its host steps: the bench's workers all ran on the
+one machine its ``machine`` records. Without decode timings a decode row is a one-token
+prefill - the convention ``policy.placement.batch_seconds`` (the planner's) uses.
 
 Presets: a GPU and interconnect from public figures (peak bf16 FLOP/s at an assumed 50 %
 model FLOP utilisation for prefill, HBM bandwidth for a step's weight read, link line rate
@@ -21,6 +25,7 @@ from pathlib import Path
 
 from ..policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, kv_bytes_per_token
 from ..policy.store_read import StoreProfile
+from .decode import DecodeProfile, decode_samples, fit_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,8 @@ class SimProfile:
     task_overhead_s: float = DEFAULT_LATENCY  # s a task waits to reach its worker (scheduler hop)
     links: dict = field(default_factory=dict)  # (i, j) -> LinkProfile for measured pairs (fitted, 2 workers)
     source: str = ""  # one line: where the numbers come from
+    decode: DecodeProfile | None = None  # decode rows' measured costs (None: one-token prefills)
+    workers_per_host: int = 1  # consecutive workers sharing one host's cores and memory
 
     def worker_prefill(self, i: int) -> PrefillProfile:
         return self.prefill[i % len(self.prefill)]
@@ -43,14 +50,27 @@ class SimProfile:
         return self.links.get((i, j)) or self.link
 
 
-def step_seconds(p: PrefillProfile, feeds) -> float:
-    """One forward step over ``feeds`` = [(tokens fed, tokens already in that request's cache)]:
-    one fixed cost, per-token work, and each row's attention (the profile's terms)."""
-    tokens = attn = 0.0
+def step_seconds(p: PrefillProfile, feeds, decode: DecodeProfile | None = None, shared: bool = False) -> float:
+    """One forward step over ``feeds`` = [(tokens fed, tokens already in that request's cache)].
+
+    Without ``decode``: one fixed cost, per-token work and each row's attention (the prefill
+    profile's terms), a decode row being a one-token prefill. With it: prompt rows as the
+    profile says (its ``a`` the step's fixed cost), decode rows (one token) as ``decode``
+    says, ``decode.fixed`` the fixed cost of a step with no prompt rows, plus ``shared``
+    when ``shared`` (another worker of the host is stepping; measured on decode steps, a
+    prompt step's figure already holds it: ``parallel`` rows, two workers at 0.93-1.19x one)."""
+    tokens = attn = rows = 0.0
     for n, pos in feeds:
+        if decode is not None and n == 1:
+            rows += decode.row_seconds(pos)
+            continue
         tokens += n
         attn += n * (pos + n / 2)
-    return p.a + p.b * tokens + p.c * attn
+    if decode is None:
+        return p.a + p.b * tokens + p.c * attn
+    if tokens:
+        return p.a + p.b * tokens + p.c * attn + rows
+    return decode.fixed + rows + (decode.shared if shared else 0.0)
 
 
 def fitted_profile(path: str | Path) -> SimProfile:
@@ -75,8 +95,16 @@ def fitted_profile(path: str | Path) -> SimProfile:
         lats.append(float(lat))
     link = LinkProfile(sum(bws) / len(bws), sum(lats) / len(lats)) if bws else LinkProfile(1e9)
     bpt = int((data.get("model") or {}).get("bytes_per_token") or 46080)
+    decode = fit_decode(decode_samples(data.get("runs") or ()))
+    machine = data.get("machine") or {}
+    # every worker of a bench run shares the one machine it records (a LocalCluster)
+    per_host = len(prefill) if machine else 1
+    dec = (f"; decode {decode.fixed * 1e3:.0f} ms + {decode.per_row * 1e3:.1f} ms a row + "
+           f"{decode.per_key * 1e6:.1f} us a cached token, +{decode.shared * 1e3:.0f} ms sharing the host "
+           f"({decode.samples} runs)") if decode else ""
     return SimProfile(f"fitted:{Path(path).name}", prefill, link, bpt, None, DEFAULT_LATENCY, links,
-                      f"calibration of {Path(path).name} ({len(prefill)} workers, {data.get('machine', {}).get('cpu')})")
+                      f"calibration of {Path(path).name} ({len(prefill)} workers on one host, "
+                      f"{machine.get('cpu')}, {machine.get('cores')} cores){dec}", decode, per_host)
 
 
 def _gpu(name: str, peak_flops: float, hbm_bytes_s: float, link_bytes_s: float, link_latency: float,

@@ -16,8 +16,9 @@ executor's order): a level's agents that share leading segments form a prefix gr
                 ``policy.admission.admit`` (evicting ``choose_victims``' blocks, or waiting).
 
 Above ``full_pool`` workers a router or planner considers the workers holding the prefix
-plus the ``pool`` least busy ones (the runtime scores every worker; pruning keeps the
-simulation fast at 512 workers and changes nothing at 2 or 8).
+(daskflow-kv: its ``pool`` least busy holders) plus the ``pool`` least busy ones (the runtime
+scores every worker; pruning keeps the simulation fast at 512 workers and changes nothing
+at 2 or 8).
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ class System:
                  max_running: int = 64, pool: int = 8, full_pool: int = 16):
         self.profile = profile  # SimProfile
         self.loop = EventLoop()
-        self.workers = [ModeledWorker(i, profile.worker_prefill(i), self.loop, step_tokens, max_running)
+        self.workers = [ModeledWorker(i, profile.worker_prefill(i), self.loop, step_tokens, max_running, profile.decode)
                         for i in range(n_workers)]
+        per_host = max(1, profile.workers_per_host)
+        for w in self.workers:  # hosts of ``workers_per_host`` consecutive workers, as measured
+            h = w.idx // per_host * per_host
+            w.peers = tuple(q for q in self.workers[h:h + per_host] if q is not w)
         self.budget = budget  # KV bytes per worker (None: unbounded)
         self.bpt = profile.bytes_per_token
         self.pool = pool  # least busy workers a placement considers beyond the prefix's holders
@@ -129,12 +134,24 @@ class TextSystem(System):
 
     name = "text"
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        # predicted s sent to each worker and not finished, counted when sent: a worker's own
+        # queue counts a request only once it arrives (a hop later), so a level's agents all
+        # went to one worker, where the measured text replay spreads them over both
+        self.sent = [0.0] * len(self.workers)
+
     def run_level(self, f, calls) -> None:
         for c in calls:
-            w = min(self.workers, key=lambda w: (w.queued_s, w.load, w.idx))
+            w = min(self.workers, key=lambda w: (self.sent[w.idx], w.load, w.idx))
             n = c.prompt_tokens
             pred = w.prof.seconds(n) + max(0, c.max_new - 1) * w.prof.seconds(1, n)
-            self._request(w, n, 0, c.max_new, pred, lambda r, f=f: self._call_done(f))
+            self.sent[w.idx] += pred
+            self._request(w, n, 0, c.max_new, pred, lambda r, f=f, w=w, pred=pred: self._text_done(f, w, pred))
+
+    def _text_done(self, f, w, pred) -> None:
+        self.sent[w.idx] = max(0.0, self.sent[w.idx] - pred)
+        self._call_done(f)
 
 
 class LocalSystem(System):
@@ -342,10 +359,32 @@ class DaskflowSystem(System):
     def _busy(self, w) -> float:
         return w.queued_s + (self.planned[w.idx] if self.count_planned else 0.0)
 
+    def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
+        """``System.least_busy``'s order, keys built in one pass (a key function called per
+        worker per group was a quarter of a 512-worker run)."""
+        if len(self.workers) <= k:
+            return [w for w in self.workers if w.idx not in exclude]
+        pl = self.planned if self.count_planned else [0.0] * len(self.workers)
+        keys = [(w.queued_s + p, len(w.running) + len(w.waiting), w.idx) for w, p in zip(self.workers, pl)]
+        if exclude:
+            keys = [x for x in keys if x[2] not in exclude]
+        return [self.workers[i] for _, _, i in heapq.nsmallest(k, keys)]
+
     def _match(self, blocks) -> PrefixMatch:
         out, n = [], 0
+        prune, chosen = len(self.workers) > self.full_pool, []
         for k, s, e in blocks:
             hs = self.dir.holders(k)
+            if prune and len(hs) > self.pool:
+                # a hot prefix held by hundreds of workers: the planner sees its ``pool`` least
+                # busy holders (the same ones block after block while they hold it), as it sees
+                # the ``pool`` least busy workers beyond them; ranking every holder for every
+                # branch was most of a 512-worker run
+                sel = [i for i in chosen if i in hs]
+                if len(sel) < self.pool:
+                    chosen = sel = [w.idx for w in heapq.nsmallest(
+                        self.pool, (self.workers[i] for i in hs), key=lambda w: (self._busy(w), w.load, w.idx))]
+                hs = sel
             if hs:
                 names = tuple(self.workers[i].name for i in sorted(hs))
                 out.append(CachedBlock(k, s, e, (e - s) * self.bpt, names, names))

@@ -3,7 +3,9 @@
 Each step asks ``policy.step_schedule.plan_step`` - the function the worker's step engine
 calls - who runs and how many tokens each feeds (decodes one token each, prefills in
 chunks, oldest first, up to ``step_tokens``), and lasts what the worker's prefill profile
-says for those feeds (``profile.step_seconds``). A request's last prefill chunk yields its
+says for those feeds (``profile.step_seconds``; decode rows as its ``decode`` profile says,
+and a decode-only step pays the host's sharing cost when a ``peer`` - another worker on
+its host - is mid-step as it starts). A request's last prefill chunk yields its
 first token; it is done after ``max_new`` tokens (a prefill-only request, ``max_new`` 0,
 when its prompt is in). ``queued_s`` is the predicted work sent here and not finished: the
 ``busy_s`` the scheduler plugin reports, and what a router queues against.
@@ -36,13 +38,16 @@ class Request:
 
 
 class ModeledWorker:
-    __slots__ = ("idx", "name", "prof", "loop", "step_tokens", "max_running", "waiting", "running", "stepping",
-                 "queued_s", "steps", "busy_time")
+    __slots__ = ("idx", "name", "prof", "decode", "peers", "loop", "step_tokens", "max_running", "waiting", "running",
+                 "stepping", "queued_s", "steps", "busy_time")
 
-    def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64):
+    def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64,
+                 decode=None):
         self.idx = idx  # position in the cluster
         self.name = f"w{idx}"  # its address in ClusterView
         self.prof = prof  # PrefillProfile
+        self.decode = decode  # DecodeProfile of decode rows (None: one-token prefills)
+        self.peers: tuple[ModeledWorker, ...] = ()  # the other workers on its host
         self.loop = loop
         self.step_tokens = step_tokens  # token budget of a step (daskflow-kv.step.step-tokens)
         self.max_running = max_running  # running requests at most (daskflow-kv.step.max-running)
@@ -76,7 +81,8 @@ class ModeledWorker:
             r = self.waiting.popleft()
             self.running[r.rid] = r
         run = self.running
-        cost = step_seconds(self.prof, [(n, run[rid].position) for rid, n in plan.feeds])
+        shared = any(q.stepping for q in self.peers)
+        cost = step_seconds(self.prof, [(n, run[rid].position) for rid, n in plan.feeds], self.decode, shared)
         self.stepping = True
         self.steps += 1
         self.busy_time += cost

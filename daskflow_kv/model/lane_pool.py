@@ -1,0 +1,79 @@
+"""One K/V tensor per layer for the step loop's solo lanes, so their decode rows attend at once.
+
+A lane whose group is its own (one request over its own prefix: the usual case under a
+stream of workflows) keeps ``[prefix | its tokens]`` contiguous in a workspace. If every
+such workspace is a *slot* of one ``[slots, kvh, capacity, d]`` tensor per layer, a step's
+decode rows attend in one matmul-softmax-matmul over the slots, each row masked to its own
+length (``step_cache.StepCache``), instead of one small kernel call per request per layer,
+whose dispatch cost on a CPU outweighs its arithmetic at decode sizes.
+
+The price is padding: every slot is as long as the longest lane's workspace. A lane that
+would stretch the pool past ``MAX_STRETCH`` times its current length keeps a workspace of
+its own (and attends alone). The pool grows by copying (slots x2; length to the need,
+rounded up), is freed when its last lane leaves, and starts with zeros: masked keys are
+multiplied by an exact zero weight, so what sits past a lane's length must stay finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROUND = 128  # slot lengths are multiples of this, so a slightly longer newcomer rarely forces a copy
+MAX_STRETCH = 4  # a lane may lengthen every slot this many times at most (its padding)
+
+
+class LanePool:
+    """Slots of one K/V tensor per layer; a slot holds one solo group's workspace."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device):
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []  # per layer [slots, kvh, capacity, d]
+        self.v: list[torch.Tensor] = []
+        self.owners: list = []  # per slot: the group in it, or None
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def accepts(self, length: int) -> bool:
+        """Would a workspace of ``length`` tokens join without padding every slot too much?"""
+        return not any(self.owners) or length <= MAX_STRETCH * self.capacity
+
+    def place(self, group, length: int) -> int:
+        """Give ``group`` a slot of at least ``length`` tokens; sets ``group.ws`` to its views."""
+        free = next((i for i, g in enumerate(self.owners) if g is None), None)
+        slots = len(self.owners) if free is not None else max(4, 2 * len(self.owners))
+        if free is None or length > self.capacity:
+            self._grow(slots, max(self.capacity, -(-length // ROUND) * ROUND))
+            free = self.owners.index(None)
+        self.owners[free] = group
+        group.slot = free
+        group.ws = self._views(free, length)
+        return free
+
+    def release(self, group) -> None:
+        self.owners[group.slot] = None
+        group.slot = None
+        if not any(self.owners):  # the last lane left: give the memory back
+            self.k, self.v, self.owners = [], [], []
+
+    def _views(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length]) for k, v in zip(self.k, self.v)]
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        old_k, old_v, n, c = self.k, self.v, len(self.owners), self.capacity
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for new, old in ((self.k, old_k), (self.v, old_v)):
+            for t, o in zip(new, old):
+                t[:n, :, :c].copy_(o)
+        self.owners += [None] * (slots - n)
+        for slot, group in enumerate(self.owners):  # the old tensors go: point every group at the new ones
+            if group is not None:
+                group.ws = self._views(slot, group.ws[0][0].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

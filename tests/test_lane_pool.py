@@ -1,0 +1,67 @@
+"""The step loop's lane pool: slots keep their tokens through growth, and give memory back."""
+
+import pytest
+import torch
+
+from daskflow_kv.model.lane_pool import MAX_STRETCH, ROUND, LanePool
+
+
+class _Group:  # what the pool touches of a step_cache.Group
+    slot = None
+    ws = None
+
+
+def _pool():
+    return LanePool(layers=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu")
+
+
+def _fill(group, value):
+    for k, v in group.ws:
+        k.fill_(value)
+        v.fill_(-value)
+
+
+def test_slots_keep_their_tokens_when_the_pool_grows():
+    pool = _pool()
+    groups = [_Group() for _ in range(5)]
+    for i, g in enumerate(groups[:4]):
+        pool.place(g, 10)
+        _fill(g, i + 1)
+    assert [g.slot for g in groups[:4]] == [0, 1, 2, 3] and pool.capacity == ROUND
+    pool.place(groups[4], 3 * ROUND)  # no free slot and longer than every slot: both dimensions grow
+    assert len(pool.owners) == 8 and pool.capacity == 3 * ROUND
+    for i, g in enumerate(groups[:4]):  # views point into the new tensors and hold what was written
+        assert g.ws[0][0].shape == (1, 3, 10, 4)
+        assert g.ws[0][0].data_ptr() == pool.k[0][g.slot : g.slot + 1].data_ptr()
+        assert all(bool((k == i + 1).all()) and bool((v == -(i + 1)).all()) for k, v in g.ws)
+    assert float(pool.k[0][4].abs().sum()) == 0.0  # a new slot starts finite (zeros)
+
+
+def test_a_freed_slot_is_reused_and_the_last_lane_frees_the_pool():
+    pool = _pool()
+    a, b, c = _Group(), _Group(), _Group()
+    pool.place(a, 5)
+    pool.place(b, 5)
+    pool.release(a)
+    assert a.slot is None and pool.place(c, 5) == 0  # the lowest free slot: the rows stay close together
+    pool.release(b)
+    pool.release(c)
+    assert pool.k == [] and pool.nbytes == 0
+
+
+def test_a_much_longer_lane_is_not_pooled_while_others_run():
+    pool = _pool()
+    assert pool.accepts(10**6)  # an empty pool takes anything
+    pool.place(_Group(), 100)
+    assert pool.accepts(MAX_STRETCH * pool.capacity)
+    assert not pool.accepts(MAX_STRETCH * pool.capacity + 1)
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_place_gives_views_of_the_asked_length(n):
+    pool = _pool()
+    gs = [_Group() for _ in range(n)]
+    for i, g in enumerate(gs):
+        pool.place(g, 7 + i)
+    assert [g.ws[1][1].shape[2] for g in gs] == [7 + i for i in range(n)]
+    assert len({g.slot for g in gs}) == n
