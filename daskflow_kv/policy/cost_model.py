@@ -75,7 +75,7 @@ def _features(s: PrefillSample) -> tuple[float, float, float]:
     return (1.0, float(n), n * (p + n / 2))
 
 
-def _solve(rows: list[list[float]], y: list[float], cols: tuple[int, ...]) -> list[float] | None:
+def least_squares(rows: list[list[float]], y: list[float], cols: tuple[int, ...]) -> list[float] | None:
     """Unconstrained least squares on a subset of columns; None when singular."""
     k = len(cols)
     scale = [max(abs(r[j]) for r in rows) or 1.0 for j in cols]  # columns span ~10 decades
@@ -83,7 +83,7 @@ def _solve(rows: list[list[float]], y: list[float], cols: tuple[int, ...]) -> li
     gram = [[sum(r[i] * r[j] for r in x) for j in range(k)] + [sum(r[i] * t for r, t in zip(x, y))]
             for i in range(k)]
     top = max(abs(gram[i][i]) for i in range(k))
-    for i in range(k):  # Gauss-Jordan with partial pivoting on a <= 3x3 system
+    for i in range(k):  # Gauss-Jordan with partial pivoting on a small system (a few unknowns)
         piv = max(range(i, k), key=lambda r: abs(gram[r][i]))
         if abs(gram[piv][i]) <= 1e-12 * top:
             return None
@@ -123,7 +123,7 @@ def fit_prefill_profile(samples: Sequence[PrefillSample]) -> PrefillProfile:
     tol = 1e-12 * sum(t * t for t in y)
     fits = []
     for rank, cols in enumerate(_SUPPORTS):
-        coef = _solve(rows, y, cols)
+        coef = least_squares(rows, y, cols)
         if coef is None or min(coef) < 0:
             continue
         full = [0.0, 0.0, 0.0]

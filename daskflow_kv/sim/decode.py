@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 
+from ..policy.cost_model import least_squares
+
 STEP_SYSTEMS = ("local", "dkv")  # bench systems whose decodes run in the worker's step loop
 
 
@@ -80,21 +82,6 @@ def _features(s: DecodeSample) -> list[float]:
     return [1.0, sum(r * r for r in s.rows) / k, s.position * sum(r * r for r in s.rows) / k, 1.0 if both else 0.0]
 
 
-def _lstsq(rows: list[list[float]], y: list[float], cols: tuple[int, ...]) -> list[float] | None:
-    k = len(cols)
-    g = [[sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * t for r, t in zip(rows, y))] for i in cols]
-    for i in range(k):  # Gauss-Jordan, partial pivoting, <= 4 unknowns
-        piv = max(range(i, k), key=lambda r: abs(g[r][i]))
-        if abs(g[piv][i]) < 1e-18:
-            return None
-        g[i], g[piv] = g[piv], g[i]
-        for r in range(k):
-            if r != i:
-                f = g[r][i] / g[i][i]
-                g[r] = [u - f * v for u, v in zip(g[r], g[i])]
-    return [g[i][k] / g[i][i] for i in range(k)]
-
-
 def fit_decode(samples, min_samples: int = 4) -> DecodeProfile | None:
     """Non-negative least squares on relative error over every support of the four terms
     (the simplest of equal fits wins); None with too few samples or one batch size only."""
@@ -107,7 +94,7 @@ def fit_decode(samples, min_samples: int = 4) -> DecodeProfile | None:
     best = None
     for n in range(1, 5):
         for cols in combinations(range(4), n):
-            coef = _lstsq(rows, y, cols)
+            coef = least_squares(rows, y, cols)
             if coef is None or min(coef) < 0:
                 continue
             full = [0.0] * 4
