@@ -101,6 +101,10 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
             assert r["ttft_invariant_ok"] is True and len(r["round_ttft_s"]) == r["levels"] == 4
         else:
             assert r["completed"] == r["workflows"] and r["completed_per_min"] > 0 and r["latency_p95_s"] > 0
+            # where the row's CPU went: every process spent some, the step loops ran forwards
+            assert len(r["cpu_s"]["workers"]) == len(r["step_busy_s"]) == 2
+            assert r["cpu_s"]["client"] > 0 and r["cpu_s"]["scheduler"] > 0
+            assert all(c > 0 for c in r["cpu_s"]["workers"].values()) and sum(r["step_busy_s"].values()) > 0
     by = {(r["exp"], r["system"]): r for r in runs}
     for system in ("local", "dkv"):  # state crosses rounds: fewer tokens than text replay
         assert by[("exp6", system)]["tokens_prefilled"] < by[("exp6", "text")]["tokens_prefilled"]
@@ -267,3 +271,15 @@ def test_exp7_why_names_rebuilt_copies_when_they_dominate_and_imbalance_otherwis
     assert "imbalance" in why(skewed, local)
     even = [_exp7_run("dkv", {"materialize": 5000, "resume": 600}, {"a": 2900, "b": 2700}, 9)]
     assert "not prefill" in why(even, local) and why([], local) == ""
+
+
+def test_process_load_delta_counts_a_restarted_worker_from_its_new_start():
+    from daskflow_kv.bench.process_load import delta
+
+    before = {"client": 1.0, "scheduler": 2.0, "workers": {"a": {"cpu_s": 5.0, "busy_s": 3.0},
+                                                           "b": {"cpu_s": 9.0, "busy_s": 8.0}}}
+    after = {"client": 4.5, "scheduler": 2.5, "workers": {"a": {"cpu_s": 7.0, "busy_s": 4.0},
+                                                          "b": {"cpu_s": 1.5, "busy_s": 0.5}}}  # b restarted
+    d = delta(before, after)
+    assert d["cpu_s"] == {"client": 3.5, "scheduler": 0.5, "workers": {"a": 2.0, "b": 1.5}}
+    assert d["step_busy_s"] == {"a": 1.0, "b": 0.5}

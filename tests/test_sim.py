@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ import pytest
 from daskflow_kv import policy
 from daskflow_kv.policy import admission, placement, step_schedule
 from daskflow_kv.sim import blocks, report, systems, worker
-from daskflow_kv.sim.profile import PRESETS, fitted_profile, preset_profile
-from daskflow_kv.sim.report import exp7_budget, fidelity, run_system
+from daskflow_kv.sim.decode import DecodeProfile
+from daskflow_kv.sim.profile import PRESETS, fitted_profile, host_slowdown, preset_profile, step_seconds
+from daskflow_kv.sim.report import exp7_budget, fidelity, host_load, run_system
 from daskflow_kv.sim.workload import exp7_stream, read_trace, write_trace
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "bench_full.json"
@@ -107,6 +109,26 @@ def test_fidelity_replays_the_measured_exp7_rows():
     text = [r for r in rows if r["system"] == "text"]
     for r in text:
         assert abs(r["tokens_prefilled"]["error"]) < 0.10
+
+
+def test_other_processes_slow_the_workers_only_once_they_take_a_workers_core():
+    assert host_slowdown(2, 2, 0.0) == 1.0
+    assert host_slowdown(2, 2, 0.4) == pytest.approx(2 / 1.6)
+    assert host_slowdown(16, 2, 3.0) == 1.0  # cores to spare: the workers keep theirs
+    assert host_slowdown(4, 2, 3.0) == pytest.approx(2.0)
+    # a measured row: its clients' and scheduler's CPU seconds over its wall time
+    row = {"wall_s": 50.0, "cpu_s": {"client": 12.0, "scheduler": 8.0, "workers": {}}}
+    assert host_load(row, 2, 2) == (0.4, pytest.approx(2 / 1.6))
+    assert host_load({"wall_s": 50.0}, 2, 2) == (None, 1.0)  # recorded before cpu_s was
+
+
+def test_a_slowed_profile_prices_every_step_that_much_higher(prof):
+    p = replace(prof, decode=DecodeProfile(0.04, 0.005, 4e-6, 0.02, 9))
+    slow = p.slowed(1.25)
+    for feeds, shared in (([(512, 0)], False), ([(1, 700), (1, 300)], True), ([(64, 512), (1, 90)], False)):
+        assert step_seconds(slow.prefill[0], feeds, slow.decode, shared) == pytest.approx(
+            1.25 * step_seconds(p.prefill[0], feeds, p.decode, shared))
+    assert slow.link == p.link and p.slowed(1.0) is p
 
 
 def test_speed_on_a_smaller_cluster(prof):

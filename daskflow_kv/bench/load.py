@@ -11,10 +11,11 @@ stream with every cache empty; what the stream leaves cached is what serving liv
 Per (stream, rate, repetition, system) a row: completed workflows per minute (first
 arrival to last completion), p50/p95 latency (arrival to completion), mean TTFT, tokens
 prefilled and the hit rate (1 - prefilled / text replay's prompt tokens), transfers,
-evictions, failures - and the evidence of where prefill went: tokens by operation and by
-worker, doc-level prefills of a document the system had already prefilled in the stream
-(``repeat_prefill_tokens``: an eviction's regret, or a copy rebuilt instead of moved),
-each placement's action, and how far each placement's predicted finish was from the real one.
+evictions, failures, the CPU each process spent (``process_load``) - and the evidence of
+where prefill went: tokens by operation and by worker, doc-level prefills of a document the
+system had already prefilled in the stream (``repeat_prefill_tokens``: an eviction's regret,
+or a copy rebuilt instead of moved), each placement's action, and how far each placement's
+predicted finish was from the real one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..flow.compiler import compile_workflow
 from ..flow.executor import run_state_mode, run_text_mode
 from ..stats import percentile
 from . import local_engine as le
+from . import process_load
 from . import systems as S
 from .common import Progress, log
 from .load_stream import build, doc_sequence, documents, schedule
@@ -208,13 +210,15 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     if budget is not None:
         rt.configure(kv_budget_bytes=budget)
     before = _counters(rt) if system == "dkv" else _local_evictions(b.client)
+    load_before = process_load.snapshot(b.client)
     t0 = time.time()
     records = run_stream(benches, system, arrivals, texts, salt, max_new)
+    load = process_load.delta(load_before, process_load.snapshot(b.client))
     after = _counters(rt) if system == "dkv" else _local_evictions(b.client)
     if budget is not None:
         rt.configure(unset_budget=True)
     delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
-    row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget)
+    row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget) | load
     if row["agree"] is False:
         log(f"  !! {system} outputs differ from text replay in exp7 {kind} at {rate:g}/min rep {rep}")
     if row["errors"]:

@@ -107,6 +107,7 @@ class EngineStats:
     running: int = 0  # requests in the running batch
     completed: int = 0  # requests finished since start
     batch_total: int = 0  # sum of per-step batch sizes (mean batch = batch_total / steps)
+    busy_s: float = 0.0  # seconds spent in steps since start (the loop's load, against wall time)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -243,6 +244,7 @@ class StepEngine:
         st.rows, st.batch = sum(feeds[x.rid] for x in fed), len(fed)
         st.batch_total += len(fed)
         st.step_s = time.perf_counter() - t0
+        st.busy_s += st.step_s
         st.running = len(self._running)
 
     def _join(self, x: _Live) -> None:

@@ -20,7 +20,7 @@ token). Every figure they give is MODELED, never measured.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, kv_bytes_per_token
@@ -48,6 +48,27 @@ class SimProfile:
 
     def pair(self, i: int, j: int) -> LinkProfile:
         return self.links.get((i, j)) or self.link
+
+    def slowed(self, factor: float) -> "SimProfile":
+        """Every forward ``factor`` times slower (links unchanged): workers that get only part of
+        their cores because other processes of the host (the clients, the scheduler) take the
+        rest."""
+        if factor == 1.0:
+            return self
+        f = float(factor)
+        prefill = tuple(PrefillProfile(p.a * f, p.b * f, p.c * f) for p in self.prefill)
+        decode = None if self.decode is None else replace(
+            self.decode, fixed=self.decode.fixed * f, per_row=self.decode.per_row * f,
+            per_key=self.decode.per_key * f, shared=self.decode.shared * f)
+        return replace(self, prefill=prefill, decode=decode, source=f"{self.source}; forwards x{f:.3f}")
+
+
+def host_slowdown(cores: int, workers: int, other_cores: float) -> float:
+    """How much slower each of ``workers`` single-threaded workers steps on a host of ``cores``
+    when other processes keep ``other_cores`` cores busy on average: 1 while the rest still
+    leaves a core per worker, else workers / cores left (the cores left shared evenly)."""
+    left = max(cores - max(other_cores, 0.0), 1e-3)
+    return max(1.0, workers / left)
 
 
 def step_seconds(p: PrefillProfile, feeds, decode: DecodeProfile | None = None, shared: bool = False) -> float:

@@ -4,8 +4,9 @@
 (``completed_per_min``: completed workflows per minute from the first arrival to the last
 completion; ``latency_p95_s``: arrival to completion, exp 7's interpolated percentile;
 ``tokens_prefilled``). ``simulate_grid`` sweeps workers x systems x streams; ``fidelity``
-replays exp 7's measured configuration at 2 workers with the fitted profile and reports
-the relative error per system and metric. Every row carries ``"label": "MODELED"``.
+replays exp 7's measured configuration at 2 workers with the fitted profile - its forwards
+slowed by the cores the row's clients and scheduler took from the workers' host, where the
+row recorded them (``host_load``) - and reports the relative error per system and metric. Every row carries ``"label": "MODELED"``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..stats import percentile
+from .profile import host_slowdown
 from .systems import DaskflowSystem, LocalSystem, TextSystem
 from .workload import exp7_stream
 
@@ -68,15 +70,29 @@ def exp7_budget(docs: int, context: int, bytes_per_token: int, workflows, fracti
 
 
 # -- fidelity ------------------------------------------------------------------------------------
-def measured_exp7(path: str | Path) -> tuple[dict, list[dict]]:
+def measured_exp7(path: str | Path) -> tuple[dict, list[dict], int | None]:
+    """A bench JSON's config, its exp 7 rows and the cores of the machine it ran on."""
     data = json.loads(Path(path).read_text())
-    return data.get("config") or {}, [r for r in data.get("runs", []) if r.get("exp") == "exp7"]
+    cores = (data.get("machine") or {}).get("cores")
+    return data.get("config") or {}, [r for r in data.get("runs", []) if r.get("exp") == "exp7"], cores
+
+
+def host_load(row: dict, cores: int | None, workers: int) -> tuple[float | None, float]:
+    """The cores a measured exp 7 row's clients and scheduler kept busy on the workers' host
+    (their CPU seconds over the row's wall time; rows recorded before ``cpu_s`` was: None) and
+    the slowdown of the workers' forwards it implies (``profile.host_slowdown``)."""
+    cpu, wall = row.get("cpu_s"), row.get("wall_s")
+    if not cpu or not wall or not cores:
+        return None, 1.0
+    other = (cpu["client"] + cpu["scheduler"]) / wall
+    return round(other, 3), host_slowdown(int(cores), workers, other)
 
 
 def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[dict]:
-    """Every measured exp 7 row of ``path`` replayed at its workers with ``profile``: the
-    simulated and measured throughput, p95 latency and tokens prefilled, and the error."""
-    cfg, rows = measured_exp7(path)
+    """Every measured exp 7 row of ``path`` replayed at its workers with ``profile`` (slowed by
+    the row's ``host_load``): the simulated and measured throughput, p95 latency and tokens
+    prefilled, and the error."""
+    cfg, rows, cores = measured_exp7(path)
     out = []
     n, docs = int(cfg.get("exp7_workflows", 16)), int(cfg.get("exp7_docs", 4))
     context, max_new = int(cfg.get("exp7_context", 1024)), int(cfg.get("max_new_tokens", 16))
@@ -89,9 +105,11 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
         wfs = exp7_stream(n, float(r["rate"]), docs, kind, context, max_new,
                           arrival_seed=int(float(r["rate"]) * 1000) + int(r.get("rep", 0)))
         budget = r.get("kv_budget_bytes")
-        sim = run_system(system, profile, wfs, workers, budget)
+        other, slowdown = host_load(r, cores, workers)
+        sim = run_system(system, profile.slowed(slowdown), wfs, workers, budget)
         row = {"label": LABEL, "system": system, "stream": kind, "rate": r["rate"], "rep": r.get("rep", 0),
-               "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min")}
+               "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min"),
+               "other_cores": other, "slowdown": slowdown}
         for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
             meas, simv = r.get(m), sim[m]
             row[m] = {"measured": meas, "simulated": simv,
@@ -171,13 +189,16 @@ def markdown(result: dict) -> str:
         for x in fidelity_summary(fid):
             lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
                          f"{100 * x['mean']:+.0f} % | {x['within']}/{x['rows']} |")
-        lines += ["", "| system | stream | rep | metric | measured | MODELED | error |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Cores busy with the clients and the scheduler (measured, over the row's wall time) slow "
+                  "the modeled forwards by the slowdown shown (n/a: the row predates that record).", "",
+                  "| system | stream | rep | other cores | slowdown | metric | measured | MODELED | error |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in fid:
             for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
                 x = r[m]
                 err = _f(None if x["error"] is None else 100 * x["error"], "{:+.0f} %")
-                lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {m} | {_f(x['measured'])} | "
+                lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {_f(r.get('other_cores'), '{:.2f}')} | "
+                             f"{_f(r.get('slowdown'), '{:.2f}x')} | {m} | {_f(x['measured'])} | "
                              f"{_f(x['simulated'])} | {err} |")
         lines.append("")
     lines += ["## Throughput and p95 latency vs workers (MODELED)", "",
