@@ -103,7 +103,7 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
             assert r["completed"] == r["workflows"] and r["completed_per_min"] > 0 and r["latency_p95_s"] > 0
             # where the row's CPU went: every process spent some, the step loops ran forwards
             assert len(r["cpu_s"]["workers"]) == len(r["step_busy_s"]) == 2
-            assert r["cpu_s"]["client"] > 0 and r["cpu_s"]["scheduler"] > 0
+            assert r["cpu_s"]["client"] > 0 and r["cpu_s"]["scheduler"] is None  # LocalCluster: in-process
             assert all(c > 0 for c in r["cpu_s"]["workers"].values()) and sum(r["step_busy_s"].values()) > 0
     by = {(r["exp"], r["system"]): r for r in runs}
     for system in ("local", "dkv"):  # state crosses rounds: fewer tokens than text replay
@@ -283,3 +283,5 @@ def test_process_load_delta_counts_a_restarted_worker_from_its_new_start():
     d = delta(before, after)
     assert d["cpu_s"] == {"client": 3.5, "scheduler": 0.5, "workers": {"a": 2.0, "b": 1.5}}
     assert d["step_busy_s"] == {"a": 1.0, "b": 0.5}
+    same = delta(before | {"scheduler": None}, after | {"scheduler": None})  # scheduler in the client's process
+    assert same["cpu_s"]["scheduler"] is None and same["cpu_s"]["client"] == 3.5

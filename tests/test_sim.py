@@ -120,6 +120,8 @@ def test_other_processes_slow_the_workers_only_once_they_take_a_workers_core():
     row = {"wall_s": 50.0, "cpu_s": {"client": 12.0, "scheduler": 8.0, "workers": {}}}
     assert host_load(row, 2, 2) == (0.4, pytest.approx(2 / 1.6))
     assert host_load({"wall_s": 50.0}, 2, 2) == (None, 1.0)  # recorded before cpu_s was
+    in_process = {"wall_s": 50.0, "cpu_s": {"client": 20.0, "scheduler": None, "workers": {}}}
+    assert host_load(in_process, 2, 2) == (0.4, pytest.approx(2 / 1.6))
 
 
 def test_a_slowed_profile_prices_every_step_that_much_higher(prof):

@@ -5,7 +5,8 @@ On 2 cores the client threads, the scheduler and both workers share the machine;
 models by however much CPU the rest took. Exp 7 records, per row, the delta of:
 
 * ``cpu_s``: user + system CPU seconds of the bench process (both clients and their
-  threads), the scheduler, and each worker;
+  threads), the scheduler (None when it runs in the bench process, as a ``LocalCluster``'s
+  does: counted in the client's), and each worker;
 * ``step_busy_s``: seconds each worker's step loops spent inside forward steps.
 """
 
@@ -26,13 +27,15 @@ def worker_load(dask_worker=None) -> dict:
     return {"cpu_s": _cpu_seconds(), "busy_s": sum(st["busy_s"] for st in engine_stats().values())}
 
 
-def scheduler_cpu(dask_scheduler=None) -> float:
-    return _cpu_seconds()
+def scheduler_cpu(dask_scheduler=None) -> tuple[int, float]:
+    return os.getpid(), _cpu_seconds()
 
 
 def snapshot(client) -> dict:
-    """The cluster's counters now (cumulative; ``delta`` of two is a row's load)."""
-    return {"client": _cpu_seconds(), "scheduler": client.run_on_scheduler(scheduler_cpu),
+    """The cluster's counters now (cumulative; ``delta`` of two is a row's load). A scheduler
+    in the client's own process (a ``LocalCluster``'s) reports None: its CPU is the client's."""
+    pid, sched = client.run_on_scheduler(scheduler_cpu)
+    return {"client": _cpu_seconds(), "scheduler": None if pid == os.getpid() else sched,
             "workers": client.run(worker_load)}
 
 
@@ -46,7 +49,7 @@ def delta(before: dict, after: dict) -> dict:
         now, then = workers[addr][k], was.get(addr, {}).get(k, 0.0)
         return round(now - then if now >= then else now, 3)
 
-    return {"cpu_s": {"client": round(after["client"] - before["client"], 3),
-                      "scheduler": round(after["scheduler"] - before["scheduler"], 3),
+    sched = None if after["scheduler"] is None else round(after["scheduler"] - before["scheduler"], 3)
+    return {"cpu_s": {"client": round(after["client"] - before["client"], 3), "scheduler": sched,
                       "workers": {a: d(a, "cpu_s") for a in workers}},
             "step_busy_s": {a: d(a, "busy_s") for a in workers}}

@@ -84,7 +84,7 @@ def host_load(row: dict, cores: int | None, workers: int) -> tuple[float | None,
     cpu, wall = row.get("cpu_s"), row.get("wall_s")
     if not cpu or not wall or not cores:
         return None, 1.0
-    other = (cpu["client"] + cpu["scheduler"]) / wall
+    other = (cpu["client"] + (cpu.get("scheduler") or 0.0)) / wall  # None: in the client's process
     return round(other, 3), host_slowdown(int(cores), workers, other)
 
 
