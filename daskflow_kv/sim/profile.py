@@ -56,7 +56,7 @@ class SimProfile:
         if factor == 1.0:
             return self
         f = float(factor)
-        prefill = tuple(PrefillProfile(p.a * f, p.b * f, p.c * f) for p in self.prefill)
+        prefill = tuple(replace(p, a=p.a * f, b=p.b * f, c=p.c * f) for p in self.prefill)
         decode = None if self.decode is None else replace(
             self.decode, fixed=self.decode.fixed * f, per_row=self.decode.per_row * f,
             per_key=self.decode.per_key * f, shared=self.decode.shared * f)

@@ -6,7 +6,8 @@ completion; ``latency_p95_s``: arrival to completion, exp 7's interpolated perce
 ``tokens_prefilled``). ``simulate_grid`` sweeps workers x systems x streams; ``fidelity``
 replays exp 7's measured configuration at 2 workers with the fitted profile - its forwards
 slowed by the cores the row's clients and scheduler took from the workers' host, where the
-row recorded them (``host_load``) - and reports the relative error per system and metric. Every row carries ``"label": "MODELED"``.
+row recorded them (``host_load``) - and reports the relative error per system and metric.
+Every row carries ``"label": "MODELED"``.
 """
 
 from __future__ import annotations
