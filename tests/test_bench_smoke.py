@@ -253,6 +253,31 @@ def test_store_ttft_harness_quick(tmp_path):
     assert list(tmp_path.glob("daskflow-kv-store-bench-*")) == []  # the store is removed afterwards
 
 
+def test_step_cost_harness_quick(tmp_path):
+    """benchmarks/step_cost.py --quick --no-pair: a real step loop's recorded steps, fitted."""
+    import sys
+    from pathlib import Path
+
+    from daskflow_kv.sim.profile import preset_profile
+
+    spec = importlib.util.spec_from_file_location(
+        "step_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "step_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["step_cost"] = mod
+    spec.loader.exec_module(mod)
+    out = tmp_path / "step_cost.json"
+    assert mod.main(["--model", "tiny-llama", "--quick", "--no-pair", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    steps = doc["steps"]["alone"]
+    assert len(steps) >= 10 and all(s["seconds"] > 0 for s in steps)
+    assert any(s["prompt_tokens"] and s["decode_rows"] for s in steps)  # a newcomer's chunk beside decode rows
+    assert any(s["loaded_tokens"] for s in steps) and any(s["exported_tokens"] for s in steps)
+    fit = doc["fits"]["alone"]
+    assert fit["cost"]["samples"] == len(steps) and fit["rms_rel_error"] >= 0 and "paired" not in doc["fits"]
+    assert preset_profile("a100-ib200").with_step_costs(out).step_costs[0].samples == len(steps)
+    assert not (tmp_path / ".step_cost_tmp").exists()
+
+
 
 def _exp7_run(system, by_op, by_worker, transfers=None, repeat=0):
     return {"exp": "exp7", "point": "zipf-budget 60/min", "system": system, "prefill_by_op": by_op,

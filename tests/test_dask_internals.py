@@ -418,3 +418,12 @@ def test_worker_addresses_are_asked_now_not_read_from_the_racing_cache(client, w
     for _ in range(20):
         client.sync(client._update_scheduler_info)  # what the periodic refresh runs (n_workers=0 since 2026.8)
         assert worker_addresses(client) == sorted(workers)
+
+
+def test_kv_workers_start_without_dasks_malloc_trim_threshold(client):
+    """``preloads.worker_environ``: the nanny's other variables stay (one BLAS thread a worker)."""
+    import os
+
+    env = client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OMP_NUM_THREADS")))
+    assert set(env.values()) == {(None, "1")}
+    assert "MALLOC_TRIM_THRESHOLD_" in dask.config.get("distributed.nanny.pre-spawn-environ")  # Dask's default

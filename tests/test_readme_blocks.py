@@ -9,6 +9,7 @@ sentence is not a block; a file with no block is refused before any run.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -33,12 +34,17 @@ def _published():
 
 
 def test_committed_blocks_are_rendered_from_the_published_json():
+    """benchmarks/README.md's full block from bench_full.json; README's headline from the run
+    it links (the full run, or a later run of the headline's experiments on newer code)."""
     doc, summary = _published()
     readme = (ROOT / "README.md").read_text()
     bench = (ROOT / "benchmarks" / "README.md").read_text()
     assert rb.blocks_in(readme) == [rb.HEADLINE_MARKERS] and rb.blocks_in(bench) == [rb.RESULTS_MARKERS]
-    assert _block(readme, rb.HEADLINE_MARKERS) == rb.headline_table(doc, summary).rstrip()
     assert _block(bench, rb.RESULTS_MARKERS) == rb.readme_table(doc, summary, "results/SUMMARY.md").rstrip()
+    headline = _block(readme, rb.HEADLINE_MARKERS)
+    [link] = set(re.findall(r"\]\((benchmarks/results/bench_[\w.-]+\.json)\)", headline))
+    hdoc = json.loads((ROOT / link).read_text())
+    assert headline == rb.headline_table(hdoc, hdoc["summary"], link).rstrip()
 
 
 def test_headline_compares_with_the_best_baseline_and_names_missed_targets():
@@ -88,6 +94,17 @@ def test_rerender_entry_point(tmp_path):
     assert rb.main([str(results / "bench_full.json"), "--readme", str(readme)]) == 0
     assert "(benchmarks/results/bench_full.json)" in readme.read_text()
     assert "(results/SUMMARY.md)" in bench.read_text()  # the full profile's summary name
+
+
+def test_only_the_headline_is_rendered_from_a_run_of_some_experiments(tmp_path):
+    readme, bench = _tree(tmp_path)
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir()
+    shutil.copy(PUBLISHED, results / "bench_headline.json")
+    before = bench.read_text()
+    assert rb.main([str(results / "bench_headline.json"), "--readme", str(readme), "--only", "headline"]) == 0
+    assert "(benchmarks/results/bench_headline.json)" in readme.read_text()
+    assert bench.read_text() == before
 
 
 def test_a_readme_without_blocks_is_refused_before_the_run(tmp_path, capsys):

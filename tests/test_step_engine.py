@@ -218,3 +218,27 @@ def test_an_engine_can_run_its_forwards_in_the_step_loop(engine):
             want = (one.tokens, [g.tokens for g in many], root.block_keys)
     assert (one.tokens, [g.tokens for g in many], root.block_keys) == want
     assert step_worker.engine_for(engine.runner).stats.completed >= 1 + 1 + 4
+
+
+def test_the_loop_records_what_each_step_fed_joined_and_cut(engine_factory):
+    """``StepEngine.recent``: the shapes ``benchmarks/step_cost.py`` fits a step's cost on."""
+    from daskflow_kv.state.blocks import aligned_floor
+
+    engine = engine_factory("tiny-llama", "float32")
+    eng = StepEngine(engine.runner, step_tokens=16)
+    ctx, blocks = _prefix(engine, CONTEXT)
+    suf, whole = engine.encode(SUFFIXES[0]), engine.encode(CONTEXTS[1])
+    outs = [f.result(60) for f in eng.submit([StepRequest(blocks, len(ctx), suf, 5), StepRequest([], 0, whole, 3)])]
+    eng.stop()
+    shapes = list(eng.recent)
+    assert len(shapes) == eng.stats.steps
+    assert sum(s.seconds for s in shapes) == pytest.approx(eng.stats.busy_s)
+    assert sum(s.prompt_tokens for s in shapes) == len(suf) + len(whole)
+    assert max(s.prompt_tokens + s.decode_rows for s in shapes) <= 16
+    assert sum(s.decode_rows for s in shapes) == (5 - 1) + (3 - 1)
+    assert (sum(s.joined for s in shapes), sum(s.loaded_tokens for s in shapes)) == (2, len(ctx))
+    assert sum(s.finished for s in shapes) == 2
+    cut = outs[0].fed_tokens - aligned_floor(len(ctx), engine.block_size) + outs[1].fed_tokens
+    assert sum(s.exported_tokens for s in shapes) == cut == sum(e - s for o in outs for s, e, _ in o.new_blocks)
+    first = shapes[0]  # the resume's first chunk attends to its whole prefix
+    assert first.prompt_attn >= first.prompt_tokens * len(ctx)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import os
 import threading
 import time
 
@@ -213,7 +214,10 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     load_before = process_load.snapshot(b.client)
     t0 = time.time()
     records = run_stream(benches, system, arrivals, texts, salt, max_new)
-    load = process_load.delta(load_before, process_load.snapshot(b.client))
+    load_after = process_load.snapshot(b.client)
+    load = process_load.delta(load_before, load_after)
+    if os.environ.get("DASKFLOW_KV_BENCH_STEP_SHAPES") == "1":
+        load |= process_load.step_shapes(b.client, load_before, load_after)
     after = _counters(rt) if system == "dkv" else _local_evictions(b.client)
     if budget is not None:
         rt.configure(unset_budget=True)

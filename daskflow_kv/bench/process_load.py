@@ -7,12 +7,20 @@ models by however much CPU the rest took. Exp 7 records, per row, the delta of:
 * ``cpu_s``: user + system CPU seconds of the bench process (both clients and their
   threads), the scheduler (None when it runs in the bench process, as a ``LocalCluster``'s
   does: counted in the client's), and each worker;
-* ``step_busy_s``: seconds each worker's step loops spent inside forward steps.
+* ``step_busy_s``: seconds each worker's step loops spent inside forward steps;
+* ``step_shapes`` (only with ``DASKFLOW_KV_BENCH_STEP_SHAPES=1``: a row's steps weigh ~100 KB):
+  every step each worker ran in the row, as ``model.step_shape.StepShape`` records it
+  (``step_shape_fields`` names the columns), to set beside the same shapes measured on a
+  lone engine (``benchmarks/step_cost.py``).
 """
 
 from __future__ import annotations
 
 import os
+
+from ..model.step_shape import StepShape
+
+STEP_FIELDS = tuple(StepShape.__dataclass_fields__)
 
 
 def _cpu_seconds() -> float:
@@ -24,7 +32,25 @@ def worker_load(dask_worker=None) -> dict:
     """This worker process's CPU seconds and its step loops' busy seconds, since start."""
     from ..runtime.step_worker import engine_stats
 
-    return {"cpu_s": _cpu_seconds(), "busy_s": sum(st["busy_s"] for st in engine_stats().values())}
+    stats = engine_stats().values()
+    return {"cpu_s": _cpu_seconds(), "busy_s": sum(st["busy_s"] for st in stats),
+            "steps": sum(st["steps"] for st in stats)}
+
+
+def worker_steps(n: int, dask_worker=None) -> list[list]:
+    """The last ``n`` steps of this worker's step loops (at most what they keep), as rows."""
+    from ..runtime.step_worker import recent_steps
+
+    return [[getattr(s, f) for f in STEP_FIELDS] for s in recent_steps()[-n:]] if n > 0 else []
+
+
+def step_shapes(client, before: dict, after: dict) -> dict:
+    """Every step each worker ran between two snapshots: ``{"step_shape_fields", "step_shapes"}``."""
+    out = {}
+    for addr, now in after["workers"].items():
+        n = now.get("steps", 0) - before["workers"].get(addr, {}).get("steps", 0)
+        out[addr] = client.run(worker_steps, n, workers=[addr])[addr]
+    return {"step_shape_fields": list(STEP_FIELDS), "step_shapes": out}
 
 
 def scheduler_cpu(dask_scheduler=None) -> tuple[int, float]:

@@ -57,15 +57,19 @@ def readme_files(readme) -> list[Path]:
     return files
 
 
-def update_readmes(readme, doc: dict, summary: list[dict], json_path, summary_path) -> list[str]:
+def update_readmes(readme, doc: dict, summary: list[dict], json_path, summary_path, only=None) -> list[str]:
     """Rewrite every bench block of ``readme_files(readme)`` from this run; one line per file.
 
     Links in a block (the run's JSON, its SUMMARY) are made relative to the file's folder, so
-    one run renders correctly into README.md and into benchmarks/README.md."""
+    one run renders correctly into README.md and into benchmarks/README.md. ``only``: the
+    markers of the one kind of block to rewrite (a run of some experiments only renders the
+    headline and leaves the full results of the run that has them)."""
     done = []
     for path in readme_files(readme):
         text = path.read_text()
-        found = blocks_in(text)
+        found = [pair for pair in blocks_in(text) if only is None or pair == only]
+        if not found:
+            continue
         for pair in found:
             block = (readme_table(doc, summary, _relative(summary_path, path)) if pair == RESULTS_MARKERS
                      else headline_table(doc, summary, _relative(json_path, path)))
@@ -211,6 +215,7 @@ def main(argv=None) -> int:
     ap = validation.ArgumentParser(prog="python -m daskflow_kv.bench.readme_blocks", description=main.__doc__)
     ap.add_argument("run_json", help="a bench_<tag>.json written by `daskflow-kv bench`")
     ap.add_argument("--readme", required=True, help="as for `daskflow-kv bench --readme`")
+    ap.add_argument("--only", choices=("headline", "results"), help="rewrite only this kind of block")
     args = ap.parse_args(argv)
     try:
         path = Path(validation.readable_file("run_json", args.run_json))
@@ -223,7 +228,8 @@ def main(argv=None) -> int:
         return 2
     # the medians as the run summarized them (its targets too: readme_table reads doc["targets"])
     summary = doc.get("summary") or summarize(doc["runs"])
-    for line in update_readmes(args.readme, doc, summary, path, summary_file(path.parent, doc["tag"])):
+    only = {"headline": HEADLINE_MARKERS, "results": RESULTS_MARKERS}.get(args.only)
+    for line in update_readmes(args.readme, doc, summary, path, summary_file(path.parent, doc["tag"]), only):
         print(line)
     return 0
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,8 +41,10 @@ from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
 from .lane_pool import LanePool
 from .step_cache import Group, Lane, StepCache
+from .step_shape import StepShape
 
 logger = logging.getLogger("daskflow_kv.step_engine")
+RECENT_STEPS = 4096  # step shapes kept (``StepEngine.recent``): a few minutes of a busy loop
 _READY_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)  # a 4-D mask: transformers builds none
 
 
@@ -134,6 +136,7 @@ class StepEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._cache: StepCache | None = None
+        self.recent: deque[StepShape] = deque(maxlen=RECENT_STEPS)  # the last steps' shapes and times
 
     # -- the caller's side ----------------------------------------------------------------------
     def submit(self, requests: list[StepRequest], shared_prefix: bool = False) -> list[Future]:
@@ -232,12 +235,14 @@ class StepEngine:
             if x.cache is not None:  # solo: its own forward, the chunk ModelRunner.run would feed
                 logits[x.rid] = self.runner.feed(x.cache, x.next_tokens(feeds[x.rid]))
         wall = time.time()
+        shape = self._shape(joining, fed, feeds)
         for x in fed:
             strangers = sum(1 for y in fed if y is not x and (x.group is None or y.group != x.group))
             if strangers and x.fed < len(x.req.new_tokens):
                 x.metrics.shared_steps += 1  # its prefill timing is not its own (profiles skip it)
             self._advance(x, feeds[x.rid], logits.get(x.rid), t0, wall)
-        for x in [x for x in self._running if x.done(self.runner.eos_ids)]:
+        done = [x for x in self._running if x.done(self.runner.eos_ids)]
+        for x in done:
             self._finish(x)
         st = self.stats
         st.steps += 1
@@ -246,6 +251,21 @@ class StepEngine:
         st.step_s = time.perf_counter() - t0
         st.busy_s += st.step_s
         st.running = len(self._running)
+        bs = self.runner.block_size
+        self.recent.append(replace(shape, finished=len(done), seconds=st.step_s, exported_tokens=sum(
+            x.position - aligned_floor(x.req.prefix_len, bs) for x in done if x.req.export)))
+
+    @staticmethod
+    def _shape(joining: list[_Live], fed: list[_Live], feeds: dict[int, int]) -> StepShape:
+        """What this step feeds, taken before it advances anyone."""
+        prompt, tokens, attn, rows, keys = 0, 0, 0.0, 0, 0
+        for x in fed:
+            n, pos = feeds[x.rid], x.position
+            if x.fed < len(x.req.new_tokens):
+                prompt, tokens, attn = prompt + 1, tokens + n, attn + n * (pos + n / 2)
+            else:
+                rows, keys = rows + 1, keys + pos
+        return StepShape(prompt, tokens, attn, rows, keys, len(joining), sum(x.req.prefix_len for x in joining))
 
     def _join(self, x: _Live) -> None:
         t0 = time.perf_counter()

@@ -21,8 +21,26 @@ def comm_protocol(security=None) -> str:
 
 
 def kv_dask_config() -> dict:
-    """Dask config a KV cluster's scheduler must start with (AMM that keeps KV replicas)."""
-    return {"distributed.scheduler.active-memory-manager.policies": [{"class": KV_AMM_POLICY}]}
+    """Dask config a KV cluster starts with: the AMM that keeps KV replicas, and workers
+    spawned without ``MALLOC_TRIM_THRESHOLD_`` (``worker_environ``)."""
+    return {"distributed.scheduler.active-memory-manager.policies": [{"class": KV_AMM_POLICY}],
+            "distributed.nanny.pre-spawn-environ": worker_environ()}
+
+
+def worker_environ() -> dict:
+    """Dask's nanny environment for new workers, less ``MALLOC_TRIM_THRESHOLD_``.
+
+    Dask sets it to 64 KiB so that pandas workers hand freed memory back to the OS; setting
+    it also fixes glibc's mmap threshold, and a step loop that allocates and frees megabytes
+    of activations every step then pays for fresh pages each time: the same steps ran 1.26x
+    slower in a worker spawned with it (24.0-27.9 s against 20.2-22.2 s, 4 runs each,
+    SmolLM2 fp32, 2026-12-03). A KV block is one tensor, freed whole.
+    """
+    import dask
+
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
+    environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    return environ
 
 
 def _preload_argv(kv_budget) -> list[str]:

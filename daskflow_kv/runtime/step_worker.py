@@ -56,6 +56,13 @@ def engine_stats() -> dict[str, dict]:
         return {e.runner.fingerprint.model_id: e.stats.as_dict() for e in _ENGINES.values()}
 
 
+def recent_steps() -> list:
+    """The shapes of the last steps of this process's step loops (``StepEngine.recent``), oldest first."""
+    with _LOCK:
+        engines = list(_ENGINES.values())
+    return [s for e in engines for s in list(e.recent)]
+
+
 def run(runner: ModelRunner, requests: list[StepRequest], shared_prefix: bool = False) -> list[RunOutput]:
     """Run ``requests`` in the step loop and wait for them, outside the worker's thread pool."""
     eng = engine_for(runner)

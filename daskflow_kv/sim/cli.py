@@ -26,6 +26,8 @@ BENCH = "benchmarks/results/bench_full.json"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="daskflow-kv simulate", description=__doc__.splitlines()[0])
     p.add_argument("--profile-from", default=BENCH, help="bench results JSON whose calibration is fitted (default %(default)s)")
+    p.add_argument("--step-cost", help="price whole steps by this benchmarks/step_cost.py results JSON "
+                                       "(default: the profile's prefill and decode terms added up)")
     p.add_argument("--hardware", choices=sorted(PRESETS), help="a MODELED hardware preset instead of the fitted profile")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 8, 32, 128, 512])
     p.add_argument("--systems", nargs="+", default=["daskflow-kv", "local", "text"])
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     profile = preset_profile(args.hardware) if args.hardware else fitted_profile(args.profile_from)
+    if args.step_cost:
+        profile = profile.with_step_costs(args.step_cost)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.trace:
         wfs = read_trace(args.trace)

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, kv_bytes_per_token
 from ..policy.store_read import StoreProfile
 from .decode import DecodeProfile, decode_samples, fit_decode
+from .step_cost import StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,9 @@ class SimProfile:
     source: str = ""  # one line: where the numbers come from
     decode: DecodeProfile | None = None  # decode rows' measured costs (None: one-token prefills)
     workers_per_host: int = 1  # consecutive workers sharing one host's cores and memory
+    # (alone, while another worker of the host steps): whole steps priced by what they mix,
+    # fitted on measured steps (``with_step_costs``); None: ``step_seconds`` adds prefill and decode
+    step_costs: tuple[StepCost, StepCost] | None = None
 
     def worker_prefill(self, i: int) -> PrefillProfile:
         return self.prefill[i % len(self.prefill)]
@@ -60,7 +64,23 @@ class SimProfile:
         decode = None if self.decode is None else replace(
             self.decode, fixed=self.decode.fixed * f, per_row=self.decode.per_row * f,
             per_key=self.decode.per_key * f, shared=self.decode.shared * f)
-        return replace(self, prefill=prefill, decode=decode, source=f"{self.source}; forwards x{f:.3f}")
+        costs = None if self.step_costs is None else tuple(c.scaled(f) for c in self.step_costs)
+        return replace(self, prefill=prefill, decode=decode, step_costs=costs,
+                       source=f"{self.source}; forwards x{f:.3f}")
+
+    def with_step_costs(self, path: str | Path) -> "SimProfile":
+        """Steps priced by the fits of a ``benchmarks/step_cost.py`` results JSON (its ``paired``
+        fit while another worker of the host steps, else its ``alone`` one). The policies keep
+        the profile's prefill profiles: they are what the runtime planned with."""
+        data = json.loads(Path(path).read_text())
+        fits = data.get("fits") or {}
+        if "alone" not in fits:
+            raise ValueError(f"{path}: no 'alone' step-cost fit (write it with benchmarks/step_cost.py)")
+        alone = StepCost.from_dict(fits["alone"]["cost"])
+        shared = StepCost.from_dict(fits["paired"]["cost"]) if "paired" in fits else alone
+        return replace(self, step_costs=(alone, shared),
+                       source=f"{self.source}; steps priced by {Path(path).name} ({alone.samples} steps alone, "
+                              f"{shared.samples} paired)")
 
 
 def host_slowdown(cores: int, workers: int, other_cores: float) -> float:

@@ -27,6 +27,10 @@ LABEL = "MODELED"
 SYSTEMS = {"daskflow-kv": DaskflowSystem, "local": LocalSystem, "text": TextSystem}
 BENCH_NAMES = {"dkv": "daskflow-kv", "local": "local", "text": "text"}  # exp 7's system names -> ours
 STREAMS = ("uniform", "zipf", "zipf-budget")
+# What the fidelity check compares; ``step_busy_s``: seconds the workers spent in forward
+# steps, all workers together (measured rows since 2026-12-03 record it): the work, apart
+# from how it was scheduled.
+METRICS = ("completed_per_min", "latency_p95_s", "tokens_prefilled", "step_busy_s")
 
 
 def make_system(system: str, profile, workers: int, budget: int | None = None, **kw):
@@ -59,6 +63,7 @@ def run_system(system: str, profile, workflows, workers: int, budget: int | None
         "bytes_transferred": sim.bytes_transferred, "evictions": sim.evictions + sum(
             c.evicted for c in getattr(sim, "caches", ())), "peak_kv_bytes_max": max(peaks) if peaks else 0,
         "decisions": dict(getattr(sim, "decisions", {})), "events": sim.loop.events,
+        "step_busy_s": sum(w.busy_time for w in sim.workers),
         "sim_wall_s": time.perf_counter() - t0,
     }
 
@@ -111,8 +116,9 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
         row = {"label": LABEL, "system": system, "stream": kind, "rate": r["rate"], "rep": r.get("rep", 0),
                "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min"),
                "other_cores": other, "slowdown": slowdown}
-        for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
-            meas, simv = r.get(m), sim[m]
+        measured = dict(r, step_busy_s=sum((r.get("step_busy_s") or {}).values()) or None)
+        for m in METRICS:
+            meas, simv = measured.get(m), sim[m]
             row[m] = {"measured": meas, "simulated": simv,
                       "error": (simv - meas) / meas if meas else None}
         out.append(row)
@@ -124,8 +130,8 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
     replayed rows, and how many lie within ``tolerance``."""
     out = []
     for system in sorted({r["system"] for r in rows}):
-        for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
-            errs = [r[m]["error"] for r in rows if r["system"] == system and r[m]["error"] is not None]
+        for m in METRICS:
+            errs = [r[m]["error"] for r in rows if r["system"] == system and m in r and r[m]["error"] is not None]
             if errs:
                 out.append({"system": system, "metric": m, "min": min(errs), "max": max(errs),
                             "mean": statistics.fmean(errs), "within": sum(abs(e) <= tolerance for e in errs),
@@ -195,7 +201,7 @@ def markdown(result: dict) -> str:
                   "| system | stream | rep | other cores | slowdown | metric | measured | MODELED | error |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in fid:
-            for m in ("completed_per_min", "latency_p95_s", "tokens_prefilled"):
+            for m in (m for m in METRICS if m in r):
                 x = r[m]
                 err = _f(None if x["error"] is None else 100 * x["error"], "{:+.0f} %")
                 lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {_f(r.get('other_cores'), '{:.2f}')} | "

@@ -64,7 +64,8 @@ class System:
                  max_running: int = 64, pool: int = 8, full_pool: int = 16):
         self.profile = profile  # SimProfile
         self.loop = EventLoop()
-        self.workers = [ModeledWorker(i, profile.worker_prefill(i), self.loop, step_tokens, max_running, profile.decode)
+        self.workers = [ModeledWorker(i, profile.worker_prefill(i), self.loop, step_tokens, max_running, profile.decode,
+                                      profile.step_costs)
                         for i in range(n_workers)]
         per_host = max(1, profile.workers_per_host)
         for w in self.workers:  # hosts of ``workers_per_host`` consecutive workers, as measured

@@ -5,7 +5,9 @@ calls - who runs and how many tokens each feeds (decodes one token each, prefill
 chunks, oldest first, up to ``step_tokens``), and lasts what the worker's prefill profile
 says for those feeds (``profile.step_seconds``; decode rows as its ``decode`` profile says,
 and a decode-only step pays the host's sharing cost when a ``peer`` - another worker on
-its host - is mid-step as it starts). A request's last prefill chunk yields its
+its host - is mid-step as it starts), or, given measured step costs (``costs``,
+``sim.step_cost``), what its whole shape costs: prompt chunks, decode rows, prefixes copied
+in at joins and blocks cut at exits, alone or while a peer steps. A request's last prefill chunk yields its
 first token; it is done after ``max_new`` tokens (a prefill-only request, ``max_new`` 0,
 when its prompt is in). ``queued_s`` is the predicted work sent here and not finished: the
 ``busy_s`` the scheduler plugin reports, and what a router queues against.
@@ -22,7 +24,7 @@ from .profile import step_seconds
 
 class Request:
     __slots__ = ("rid", "arrived", "to_prefill", "position", "max_new", "generated", "predicted", "on_done",
-                 "first_at", "prefilled")
+                 "first_at", "prefilled", "start")
 
     def __init__(self, rid: int, to_prefill: int, position: int, max_new: int, predicted: float, on_done):
         self.rid = rid  # unique in the simulation
@@ -35,18 +37,20 @@ class Request:
         self.on_done = on_done  # callback(request)
         self.first_at = None  # virtual s of its first token
         self.prefilled = to_prefill  # prompt tokens it prefills in all
+        self.start = position  # its cached prefix: copied in as it joins, not cut again as it leaves
 
 
 class ModeledWorker:
-    __slots__ = ("idx", "name", "prof", "decode", "peers", "loop", "step_tokens", "max_running", "waiting", "running",
-                 "stepping", "queued_s", "steps", "busy_time")
+    __slots__ = ("idx", "name", "prof", "decode", "costs", "peers", "loop", "step_tokens", "max_running", "waiting",
+                 "running", "stepping", "queued_s", "steps", "busy_time")
 
     def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64,
-                 decode=None):
+                 decode=None, costs=None):
         self.idx = idx  # position in the cluster
         self.name = f"w{idx}"  # its address in ClusterView
         self.prof = prof  # PrefillProfile
         self.decode = decode  # DecodeProfile of decode rows (None: one-token prefills)
+        self.costs = costs  # (alone, host shared) StepCost of whole steps, measured; None: prof + decode
         self.peers: tuple[ModeledWorker, ...] = ()  # the other workers on its host
         self.loop = loop
         self.step_tokens = step_tokens  # token budget of a step (daskflow-kv.step.step-tokens)
@@ -82,7 +86,10 @@ class ModeledWorker:
             self.running[r.rid] = r
         run = self.running
         shared = any(q.stepping for q in self.peers)
-        cost = step_seconds(self.prof, [(n, run[rid].position) for rid, n in plan.feeds], self.decode, shared)
+        if self.costs is not None:
+            cost = self.costs[1 if shared else 0].seconds(step_shape(run, plan))
+        else:
+            cost = step_seconds(self.prof, [(n, run[rid].position) for rid, n in plan.feeds], self.decode, shared)
         self.stepping = True
         self.steps += 1
         self.busy_time += cost
@@ -110,3 +117,26 @@ class ModeledWorker:
             r.on_done(r)
         if not self.stepping and (self.running or self.waiting):
             self._step()
+
+
+def step_shape(running: dict[int, Request], plan) -> dict:
+    """What a planned step feeds, as ``model.step_shape.StepShape`` records a real one."""
+    shape = dict.fromkeys(("prompt_rows", "prompt_tokens", "prompt_attn", "decode_rows", "decode_keys", "finished",
+                           "exported_tokens"), 0)
+    shape["joined"] = len(plan.joined)
+    shape["loaded_tokens"] = sum(running[rid].position for rid in plan.joined)
+    for rid, n in plan.feeds:
+        r = running[rid]
+        if r.to_prefill:
+            shape["prompt_rows"] += 1
+            shape["prompt_tokens"] += n
+            shape["prompt_attn"] += n * (r.position + n / 2)
+            done = r.to_prefill == n and r.max_new <= 1
+        else:
+            shape["decode_rows"] += 1
+            shape["decode_keys"] += r.position
+            done = r.generated + 1 >= r.max_new
+        if done:
+            shape["finished"] += 1
+            shape["exported_tokens"] += r.position + n - r.start
+    return shape
