@@ -125,3 +125,19 @@ def wait_until(pred, timeout: float = 15.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def decode_busy_of_two_workers(make_worker, host_mates: bool) -> float:
+    """Two modeled workers (``make_worker(i, loop)``) decode 16 tokens each at position 1000;
+    the second one's busy seconds. ``host_mates``: they share a host (each steps beside the other)."""
+    from daskflow_kv.sim import worker
+    from daskflow_kv.sim.loop import EventLoop
+
+    loop = EventLoop()
+    ws = [make_worker(i, loop) for i in range(2)]
+    if host_mates:
+        ws[0].peers, ws[1].peers = (ws[1],), (ws[0],)
+    for w in ws:
+        w.submit(worker.Request(w.idx + 1, 0, 1000, 16, 0.0, lambda r: None))
+    loop.run()
+    return ws[1].busy_time

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import decode_busy_of_two_workers
+
 from daskflow_kv import policy
 from daskflow_kv.policy import admission, placement, step_schedule
 from daskflow_kv.sim import blocks, report, systems, worker
@@ -336,14 +338,7 @@ def test_a_worker_pays_the_hosts_sharing_cost_while_its_peer_steps():
     p, d = PrefillProfile(0.09, 0.003, 1.5e-6), DecodeProfile(0.04, 0.005, 4e-6, 0.02)
 
     def decode_time(host_mates: bool) -> float:
-        loop = EventLoop()
-        ws = [worker.ModeledWorker(i, p, loop, decode=d) for i in range(2)]
-        if host_mates:
-            ws[0].peers, ws[1].peers = (ws[1],), (ws[0],)
-        for w in ws:
-            w.submit(worker.Request(w.idx + 1, 0, 1000, 16, 0.0, lambda r: None))  # 16 decode steps each
-        loop.run()
-        return ws[1].busy_time
+        return decode_busy_of_two_workers(lambda i, loop: worker.ModeledWorker(i, p, loop, decode=d), host_mates)
 
     alone = decode_time(False)
     assert alone == pytest.approx(sum(d.step_seconds([1000 + i]) for i in range(16)))  # its cache grows a token a step

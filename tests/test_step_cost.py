@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+from conftest import decode_busy_of_two_workers
 
 from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.sim import worker
@@ -105,14 +106,8 @@ def test_a_profile_with_step_costs_uses_them_alone_and_paired_and_slows_them(tmp
     assert slow.step_costs[1].fixed == pytest.approx(0.14) and slow.step_costs[0].per_row == pytest.approx(0.01)
 
     def busy(host_mates: bool) -> float:
-        loop = EventLoop()
-        ws = [worker.ModeledWorker(i, prof.worker_prefill(i), loop, costs=prof.step_costs) for i in range(2)]
-        if host_mates:
-            ws[0].peers, ws[1].peers = (ws[1],), (ws[0],)
-        for w in ws:
-            w.submit(worker.Request(w.idx + 1, 0, 1000, 16, 0.0, lambda r: None))  # 16 decode steps each
-        loop.run()
-        return ws[1].busy_time
+        return decode_busy_of_two_workers(
+            lambda i, loop: worker.ModeledWorker(i, prof.worker_prefill(i), loop, costs=prof.step_costs), host_mates)
 
     assert busy(False) == pytest.approx(16 * 0.055)
     assert busy(True) == pytest.approx(16 * 0.076)
