@@ -333,7 +333,6 @@ def test_a_decode_step_costs_the_decode_profile_not_a_one_token_prefill():
 def test_a_worker_pays_the_hosts_sharing_cost_while_its_peer_steps():
     from daskflow_kv.policy.cost_model import PrefillProfile
     from daskflow_kv.sim.decode import DecodeProfile
-    from daskflow_kv.sim.loop import EventLoop
 
     p, d = PrefillProfile(0.09, 0.003, 1.5e-6), DecodeProfile(0.04, 0.005, 4e-6, 0.02)
 
