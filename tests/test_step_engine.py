@@ -242,3 +242,5 @@ def test_the_loop_records_what_each_step_fed_joined_and_cut(engine_factory):
     assert sum(s.exported_tokens for s in shapes) == cut == sum(e - s for o in outs for s, e, _ in o.new_blocks)
     first = shapes[0]  # the resume's first chunk attends to its whole prefix
     assert first.prompt_attn >= first.prompt_tokens * len(ctx)
+    starts = [s.started for s in shapes]  # wall-clock starts, in order, no two steps overlapping
+    assert all(b >= a + s.seconds - 1e-3 for a, b, s in zip(starts, starts[1:], shapes))

@@ -222,7 +222,7 @@ class StepEngine:
         self._waiting.clear()
 
     def _step(self, joining: list[_Live], plan) -> None:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         for x in joining:
             self._join(x)
         feeds = {rid: n for rid, n in plan.feeds}
@@ -252,7 +252,7 @@ class StepEngine:
         st.busy_s += st.step_s
         st.running = len(self._running)
         bs = self.runner.block_size
-        self.recent.append(replace(shape, finished=len(done), seconds=st.step_s, exported_tokens=sum(
+        self.recent.append(replace(shape, finished=len(done), seconds=st.step_s, started=started, exported_tokens=sum(
             x.position - aligned_floor(x.req.prefix_len, bs) for x in done if x.req.export)))
 
     @staticmethod

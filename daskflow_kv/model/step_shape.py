@@ -24,6 +24,7 @@ class StepShape:
     finished: int = 0  # requests that left with their output this step
     exported_tokens: int = 0  # tokens of the blocks cut for them
     seconds: float = 0.0  # the step's wall time, joins and exports included
+    started: float = 0.0  # time.time() as it began: steps of a host's workers set side by side
 
     def as_dict(self) -> dict:
         return asdict(self)
