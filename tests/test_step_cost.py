@@ -16,7 +16,7 @@ from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.sim import worker
 from daskflow_kv.sim.loop import EventLoop
 from daskflow_kv.sim.profile import preset_profile
-from daskflow_kv.sim.step_cost import TERMS, StepCost, fit_report, fit_step_cost
+from daskflow_kv.sim.step_cost import TERMS, StepCost, fit_in_workers, fit_report, fit_step_cost, peer_shares
 
 TRUE = StepCost(0.04, 0.03, 0.004, 1.5e-6, 0.006, 5e-6, 0.002, 2e-6, 0.001, 3e-6)
 
@@ -112,5 +112,58 @@ def test_a_profile_with_step_costs_uses_them_alone_and_paired_and_slows_them(tmp
     assert busy(False) == pytest.approx(16 * 0.055)
     assert busy(True) == pytest.approx(16 * 0.076)
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="no 'alone'"):
+    with pytest.raises(ValueError, match="neither a step-cost fit"):
         preset_profile("a100-ib200").with_step_costs(tmp_path / "bad.json")
+
+
+def test_peer_shares_say_how_much_of_each_step_a_peer_was_stepping():
+    a = [{"started": 10.0, "seconds": 1.0}, {"started": 11.0, "seconds": 2.0}, {"started": 20.0, "seconds": 1.0},
+         {"seconds": 1.0}]  # the last: recorded before steps carried their start
+    b = [{"started": 9.0, "seconds": 1.5}, {"started": 12.0, "seconds": 0.5}, {"started": 12.5, "seconds": 0.25}]
+    got = peer_shares({"a": a, "b": b})
+    assert got["a"] == [pytest.approx(0.5), pytest.approx(0.375), 0.0, None]
+    assert got["b"] == [pytest.approx(1 / 3), 1.0, 1.0]
+
+
+FIELDS = ["prompt_rows", "prompt_tokens", "prompt_attn", "decode_rows", "decode_keys", "joined", "loaded_tokens",
+          "finished", "exported_tokens", "seconds", "started"]  # a bench row's step_shape_fields
+
+
+def _bench(*rows: dict[str, list[dict]], fields=FIELDS) -> dict:
+    """A bench results JSON whose exp 7 rows recorded these steps, by worker."""
+    return {"runs": [{"exp": "exp1"}] + [
+        {"exp": "exp7", "step_shape_fields": fields,
+         "step_shapes": {w: [[s.get(f, 0) for f in fields] for s in steps] for w, steps in row.items()}}
+        for row in rows]}
+
+
+def test_steps_recorded_in_workers_fit_alone_and_beside_a_peer_apart(tmp_path):
+    """A bench run's in-worker steps: those a peer overlapped fit the paired cost, the others
+    the lone one; a profile priced by them is not slowed again for the host's load."""
+    slow = TRUE.scaled(1.5)
+    a, t = _shapes(120, seed=1), 100.0
+    for s in a:  # worker a steps alone first
+        s["started"], t = t, t + s["seconds"] + 0.01
+    a_side = _shapes(120, seed=3)
+    for x in a_side:  # then both step the same shapes side by side, each 1.5x slower
+        x["seconds"], x["started"] = slow.seconds(x), t
+        t += x["seconds"] + 0.001
+    b_side = [dict(x) for x in a_side]
+    data = _bench({"tcp://a": a}, {"tcp://a": a_side, "tcp://b": b_side})
+    fit = fit_in_workers(data)
+    assert fit["steps"] == {"alone": 120, "paired": 240, "every": 360}
+    for term in ("fixed", "per_prompt_token", "per_row"):
+        assert getattr(fit["alone"], term) == pytest.approx(getattr(TRUE, term), rel=1e-3)
+        assert getattr(fit["paired"], term) == pytest.approx(getattr(slow, term), rel=1e-3)
+    path = tmp_path / "bench_exp7_steps.json"
+    path.write_text(json.dumps(data))
+    prof = preset_profile("a100-ib200").with_step_costs(path)
+    assert prof.step_costs_from == str(path) and "360 steps" in prof.source
+    assert "240 steps" in prof.with_step_costs(path, skip=1).source  # the lone row left out (fidelity's hold-out)
+    assert prof.slowed(2.0).step_costs == prof.step_costs  # the host's load is already in them
+    assert prof.slowed(2.0).prefill[0].a == pytest.approx(2 * prof.prefill[0].a)
+    undated = _bench({"tcp://a": a}, fields=FIELDS[:-1])
+    fit = fit_in_workers(undated)  # no start times: one fit on every step serves both
+    assert fit["steps"] == {"alone": 0, "paired": 0, "every": 120} and fit["alone"] == fit["paired"]
+    with pytest.raises(ValueError, match="DASKFLOW_KV_BENCH_STEP_SHAPES"):
+        fit_in_workers({"runs": [{"exp": "exp7"}]})

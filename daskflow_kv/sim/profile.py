@@ -26,7 +26,7 @@ from pathlib import Path
 from ..policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, kv_bytes_per_token
 from ..policy.store_read import StoreProfile
 from .decode import DecodeProfile, decode_samples, fit_decode
-from .step_cost import StepCost
+from .step_cost import StepCost, bench_step_rows, fit_in_workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,9 @@ class SimProfile:
     # (alone, while another worker of the host steps): whole steps priced by what they mix,
     # fitted on measured steps (``with_step_costs``); None: ``step_seconds`` adds prefill and decode
     step_costs: tuple[StepCost, StepCost] | None = None
+    # the bench JSON whose Dask workers' steps the step costs were fitted on: they already carry
+    # what the host's clients and scheduler took, so ``slowed`` leaves them (None: a lone engine's)
+    step_costs_from: str | None = None
 
     def worker_prefill(self, i: int) -> PrefillProfile:
         return self.prefill[i % len(self.prefill)]
@@ -64,23 +67,34 @@ class SimProfile:
         decode = None if self.decode is None else replace(
             self.decode, fixed=self.decode.fixed * f, per_row=self.decode.per_row * f,
             per_key=self.decode.per_key * f, shared=self.decode.shared * f)
-        costs = None if self.step_costs is None else tuple(c.scaled(f) for c in self.step_costs)
+        costs = self.step_costs
+        if costs is not None and not self.step_costs_from:
+            costs = tuple(c.scaled(f) for c in costs)
         return replace(self, prefill=prefill, decode=decode, step_costs=costs,
                        source=f"{self.source}; forwards x{f:.3f}")
 
-    def with_step_costs(self, path: str | Path) -> "SimProfile":
-        """Steps priced by the fits of a ``benchmarks/step_cost.py`` results JSON (its ``paired``
-        fit while another worker of the host steps, else its ``alone`` one). The policies keep
+    def with_step_costs(self, path: str | Path, skip: int | None = None) -> "SimProfile":
+        """Steps priced by measured whole steps: the fits of a ``benchmarks/step_cost.py``
+        results JSON (a lone engine; ``paired`` while another worker of the host steps), or
+        fitted on the steps a bench JSON's exp 7 rows recorded in their Dask workers
+        (``step_cost.fit_in_workers``; ``skip``: but the row ``runs[skip]``). The policies keep
         the profile's prefill profiles: they are what the runtime planned with."""
         data = json.loads(Path(path).read_text())
         fits = data.get("fits") or {}
-        if "alone" not in fits:
-            raise ValueError(f"{path}: no 'alone' step-cost fit (write it with benchmarks/step_cost.py)")
-        alone = StepCost.from_dict(fits["alone"]["cost"])
-        shared = StepCost.from_dict(fits["paired"]["cost"]) if "paired" in fits else alone
-        return replace(self, step_costs=(alone, shared),
-                       source=f"{self.source}; steps priced by {Path(path).name} ({alone.samples} steps alone, "
-                              f"{shared.samples} paired)")
+        if "alone" in fits:
+            alone = StepCost.from_dict(fits["alone"]["cost"])
+            shared = StepCost.from_dict(fits["paired"]["cost"]) if "paired" in fits else alone
+            return replace(self, step_costs=(alone, shared), step_costs_from=None,
+                           source=f"{self.source}; steps priced by {Path(path).name} (a lone engine: "
+                                  f"{alone.samples} steps alone, {shared.samples} paired)")
+        if not bench_step_rows(data):
+            raise ValueError(f"{path}: neither a step-cost fit (benchmarks/step_cost.py) nor exp 7 rows with "
+                             f"step shapes (bench with DASKFLOW_KV_BENCH_STEP_SHAPES=1)")
+        fit = fit_in_workers(data, skip=skip)
+        n = fit["steps"]
+        return replace(self, step_costs=(fit["alone"], fit["paired"]), step_costs_from=str(path),
+                       source=f"{self.source}; steps priced by the {n['every']} steps exp 7's Dask workers ran in "
+                              f"{Path(path).name} ({n['alone']} alone, {n['paired']} beside a peer's)")
 
 
 def host_slowdown(cores: int, workers: int, other_cores: float) -> float:

@@ -64,6 +64,7 @@ def run_system(system: str, profile, workflows, workers: int, budget: int | None
             c.evicted for c in getattr(sim, "caches", ())), "peak_kv_bytes_max": max(peaks) if peaks else 0,
         "decisions": dict(getattr(sim, "decisions", {})), "events": sim.loop.events,
         "step_busy_s": sum(w.busy_time for w in sim.workers),
+        "step_busy_by_worker": [w.busy_time for w in sim.workers] if workers <= 8 else None,
         "sim_wall_s": time.perf_counter() - t0,
     }
 
@@ -80,7 +81,8 @@ def measured_exp7(path: str | Path) -> tuple[dict, list[dict], int | None]:
     """A bench JSON's config, its exp 7 rows and the cores of the machine it ran on."""
     data = json.loads(Path(path).read_text())
     cores = (data.get("machine") or {}).get("cores")
-    return data.get("config") or {}, [r for r in data.get("runs", []) if r.get("exp") == "exp7"], cores
+    rows = [dict(r, _index=i) for i, r in enumerate(data.get("runs", [])) if r.get("exp") == "exp7"]
+    return data.get("config") or {}, rows, cores
 
 
 def host_load(row: dict, cores: int | None, workers: int) -> tuple[float | None, float]:
@@ -97,8 +99,11 @@ def host_load(row: dict, cores: int | None, workers: int) -> tuple[float | None,
 def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[dict]:
     """Every measured exp 7 row of ``path`` replayed at its workers with ``profile`` (slowed by
     the row's ``host_load``): the simulated and measured throughput, p95 latency and tokens
-    prefilled, and the error."""
+    prefilled, and the error. Step costs fitted on ``path``'s own workers are refitted for
+    each row without that row's steps, so that no row is replayed on costs it fed."""
     cfg, rows, cores = measured_exp7(path)
+    # step costs fitted on this very run's workers: each row replays on a fit of the others
+    held_out = bool(profile.step_costs_from) and Path(profile.step_costs_from).resolve() == Path(path).resolve()
     out = []
     n, docs = int(cfg.get("exp7_workflows", 16)), int(cfg.get("exp7_docs", 4))
     context, max_new = int(cfg.get("exp7_context", 1024)), int(cfg.get("max_new_tokens", 16))
@@ -112,10 +117,14 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                           arrival_seed=int(float(r["rate"]) * 1000) + int(r.get("rep", 0)))
         budget = r.get("kv_budget_bytes")
         other, slowdown = host_load(r, cores, workers)
-        sim = run_system(system, profile.slowed(slowdown), wfs, workers, budget)
+        prof = profile.with_step_costs(path, skip=r["_index"]) if held_out else profile
+        sim = run_system(system, prof.slowed(slowdown), wfs, workers, budget)
         row = {"label": LABEL, "system": system, "stream": kind, "rate": r["rate"], "rep": r.get("rep", 0),
                "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min"),
-               "other_cores": other, "slowdown": slowdown}
+               "other_cores": other, "slowdown": slowdown, "steps_priced_held_out": held_out,
+               # how evenly the work fell: each worker's step seconds, busiest first
+               "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
+                                  "simulated": sorted(sim["step_busy_by_worker"] or (), reverse=True)}}
         measured = dict(r, step_busy_s=sum((r.get("step_busy_s") or {}).values()) or None)
         for m in METRICS:
             meas, simv = measured.get(m), sim[m]
@@ -196,8 +205,12 @@ def markdown(result: dict) -> str:
         for x in fidelity_summary(fid):
             lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
                          f"{100 * x['mean']:+.0f} % | {x['within']}/{x['rows']} |")
+        held = any(r.get("steps_priced_held_out") for r in fid)
         lines += ["", "Cores busy with the clients and the scheduler (measured, over the row's wall time) slow "
-                  "the modeled forwards by the slowdown shown (n/a: the row predates that record).", "",
+                  "the modeled forwards by the slowdown shown (n/a: the row predates that record)"
+                  + ("; steps are priced by what the run's Dask workers measured (the host's load is in them, "
+                     "so their cost is not slowed again), each row by a fit on the run's *other* rows." if held
+                     else "."), "",
                   "| system | stream | rep | other cores | slowdown | metric | measured | MODELED | error |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in fid:

@@ -15,6 +15,7 @@ Pure: plain dicts in (the records as JSON holds them), a ``StepCost`` out.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass
 
@@ -113,3 +114,66 @@ def fit_report(cost: StepCost, steps: list[dict]) -> dict:
     return {"rms_rel_error": rms(every),
             "by_kind": {k: {"steps": len(v), "rms_rel_error": rms(v), "mean_rel_error": sum(v) / len(v)}
                         for k, v in sorted(kinds.items())}}
+
+
+def peer_shares(by_worker: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """For every step of every worker of one host: the fraction of its wall time during which
+    another worker was mid-step (from each step's ``started`` and ``seconds``; None for steps
+    recorded without ``started``)."""
+    spans = {w: sorted((s["started"], s["started"] + s["seconds"]) for s in steps if s.get("started"))
+             for w, steps in by_worker.items()}
+    out = {}
+    for w, steps in by_worker.items():
+        others = sorted(iv for v, ivs in spans.items() if v != w for iv in ivs)
+        starts = [a for a, _ in others]
+        shares = []
+        for s in steps:
+            a, b = s.get("started", 0.0), s.get("started", 0.0) + s["seconds"]
+            if not s.get("started") or b <= a:
+                shares.append(None)
+                continue
+            i = max(bisect.bisect_left(starts, a) - 1, 0)  # the peer step in progress at ``a``, if any
+            covered = 0.0
+            while i < len(others) and others[i][0] < b:
+                covered += max(0.0, min(b, others[i][1]) - max(a, others[i][0]))
+                i += 1
+            shares.append(min(covered / (b - a), 1.0))
+        out[w] = shares
+    return out
+
+
+def bench_step_rows(data: dict, skip: int | None = None) -> list[dict[str, list[dict]]]:
+    """Each exp 7 row's recorded steps, by worker, as dicts (a bench JSON written with
+    ``DASKFLOW_KV_BENCH_STEP_SHAPES=1``), but the row at ``runs[skip]``."""
+    rows = []
+    for i, r in enumerate(data.get("runs") or ()):
+        if r.get("exp") == "exp7" and r.get("step_shapes") and i != skip:
+            fields = r["step_shape_fields"]
+            rows.append({w: [dict(zip(fields, s)) for s in steps] for w, steps in r["step_shapes"].items()})
+    return rows
+
+
+def fit_in_workers(data: dict, min_steps: int = 4 * len(TERMS), skip: int | None = None) -> dict:
+    """Step costs fitted on the steps exp 7's Dask workers really ran - in a loaded worker
+    process, on a host the clients and scheduler share - split by whether a peer worker was
+    mid-step for at least half of the step: ``{"alone", "paired": StepCost, "steps": {...}}``.
+    A side with too few steps (a saturated run steps side by side nearly always) takes the
+    other's fit; steps recorded without ``started`` times count only in the fit of all steps,
+    which serves both when neither side has enough. ``skip``: leave out ``runs[skip]`` (to
+    replay that row on a fit it did not feed)."""
+    alone, paired, every = [], [], []
+    for by_worker in bench_step_rows(data, skip):
+        shares = peer_shares(by_worker)
+        for w, steps in by_worker.items():
+            for s, share in zip(steps, shares[w]):
+                every.append(s)
+                if share is not None:
+                    (paired if share >= 0.5 else alone).append(s)
+    if not every:
+        raise ValueError("no exp 7 row carries step shapes (run the bench with DASKFLOW_KV_BENCH_STEP_SHAPES=1)")
+    fit_every = fit_step_cost(every)
+    fit_paired = fit_step_cost(paired) if len(paired) >= min_steps else fit_every
+    fit_alone = fit_step_cost(alone) if len(alone) >= min_steps else fit_paired
+    return {"alone": fit_alone, "paired": fit_paired,
+            "steps": {"alone": len(alone), "paired": len(paired), "every": len(every)},
+            "rms_rel_error": fit_report(fit_every, every)["rms_rel_error"]}
