@@ -1,8 +1,9 @@
 """The queue the planner waits on: predicted and running KV task times per worker.
 
 Each KV compute task's plan predicts how long it takes (``predicted_s`` in its
-annotation). A worker's KV tasks run one at a time, so the seconds still queued there are
-what its sent tasks were predicted to take, less what has run since the first was sent,
+annotation). A worker works through its KV tasks at about one predicted second per second
+(``policy.queue_estimate``, the rule the simulator applies too), so the seconds still queued
+there are what its sent tasks were predicted to take, less what has run since the first was sent,
 plus every task planned for it that has not been sent yet - waiting for its inputs (a
 branch behind its prefix's transfer) or parked for admission. Counting only what was sent
 made a worker whose next tasks wait on their inputs look idle to the next plan: under a
@@ -15,6 +16,8 @@ prefill that way) and, in the simulation at 128 workers, herded plans onto the s
 from __future__ import annotations
 
 import time
+
+from daskflow_kv.policy.queue_estimate import queued_seconds
 
 
 class QueueTracker:
@@ -45,13 +48,11 @@ class QueueTracker:
     def busy_seconds(self, worker: str) -> float:
         """Predicted seconds of KV work still queued on ``worker``.
 
-        Its KV tasks (one thread runs them in turn) take the times their plans predicted;
-        what has run since the first was sent there is subtracted. Tasks planned for
-        ``worker`` and not sent yet (waiting for inputs, parked for admission) count whole.
+        Its KV tasks take the times their plans predicted; what has run since the first was
+        sent there is subtracted. Tasks planned for ``worker`` and not sent yet (waiting for
+        inputs, parked for admission) count whole (``policy.queue_estimate``).
         """
-        now = time.time()
         sent = [(t0, self._predicted[k][1]) for k, (w, t0) in self._running.items() if w == worker]
         planned = sum(p for k, (w, p) in self._predicted.items() if w == worker and k not in self._running)
-        if not sent:
-            return planned
-        return max(0.0, sum(p for _, p in sent) - (now - min(t0 for t0, _ in sent))) + planned
+        first = min((t0 for t0, _ in sent), default=None)
+        return queued_seconds(sum(p for _, p in sent), first, time.time(), planned)

@@ -30,6 +30,7 @@ from collections import deque
 from ..policy.admission import ADMIT, FAIL, admit
 from ..policy.cluster_view import CachedBlock, ClusterView, PrefixMatch, WorkerLoad
 from ..policy.placement import batch_seconds, held_prefix, materialize_policy, plan_placements
+from ..policy.queue_estimate import queued_seconds
 from .blocks import LRUCache, Directory, Held, Ledger, chain, common_prefix
 from .loop import EventLoop
 from .worker import ModeledWorker, Request
@@ -358,7 +359,8 @@ class DaskflowSystem(System):
                            kv_budget_bytes=self.budget)
 
     def _busy(self, w) -> float:
-        return w.queued_s + (self.planned[w.idx] if self.count_planned else 0.0)
+        """The plugin's ``busy_s``: sent work less its progress (``w.busy_s()``), plus planned."""
+        return w.busy_s() + (self.planned[w.idx] if self.count_planned else 0.0)
 
     def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
         """``System.least_busy``'s order, keys built in one pass (a key function called per
@@ -366,7 +368,9 @@ class DaskflowSystem(System):
         if len(self.workers) <= k:
             return [w for w in self.workers if w.idx not in exclude]
         pl = self.planned if self.count_planned else [0.0] * len(self.workers)
-        keys = [(w.queued_s + p, len(w.running) + len(w.waiting), w.idx) for w, p in zip(self.workers, pl)]
+        now = self.loop.now
+        keys = [(queued_seconds(w.queued_s, w.first_sent, now, p), len(w.running) + len(w.waiting), w.idx)
+                for w, p in zip(self.workers, pl)]
         if exclude:
             keys = [x for x in keys if x[2] not in exclude]
         return [self.workers[i] for _, _, i in heapq.nsmallest(k, keys)]
@@ -432,7 +436,7 @@ class DaskflowSystem(System):
             # waiting for its cached part (made by another workflow) runs after they are planned
             made.then(lambda pred=pred: self._task(f, t, blocks[len(match.blocks):], blocks[:len(match.blocks)],
                                                    (plen - cached, cached, 0), pred, mat.fire, planned=pred))
-            view = view.with_queue(t.name, self._busy(t) if self.count_planned else t.queued_s + pred)
+            view = view.with_queue(t.name, self._busy(t) if self.count_planned else t.busy_s() + pred)
         elif not mat.done:
             made.then(mat.fire)
         # the branches: every block is (or will be) on t

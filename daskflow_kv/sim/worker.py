@@ -9,14 +9,16 @@ its host - is mid-step as it starts), or, given measured step costs (``costs``,
 ``sim.step_cost``), what its whole shape costs: prompt chunks, decode rows, prefixes copied
 in at joins and blocks cut at exits, alone or while a peer steps. A request's last prefill chunk yields its
 first token; it is done after ``max_new`` tokens (a prefill-only request, ``max_new`` 0,
-when its prompt is in). ``queued_s`` is the predicted work sent here and not finished: the
-``busy_s`` the scheduler plugin reports, and what a router queues against.
+when its prompt is in). ``queued_s`` is the predicted work sent here and not finished (what
+a router queues against); ``busy_s()`` what the scheduler plugin would report for it
+(``policy.queue_estimate``: less the time since the first of that work arrived).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from ..policy.queue_estimate import queued_seconds
 from ..policy.step_schedule import Seq, plan_step
 from .loop import EventLoop
 from .profile import step_seconds
@@ -24,7 +26,7 @@ from .profile import step_seconds
 
 class Request:
     __slots__ = ("rid", "arrived", "to_prefill", "position", "max_new", "generated", "predicted", "on_done",
-                 "first_at", "prefilled", "start")
+                 "first_at", "prefilled", "start", "done")
 
     def __init__(self, rid: int, to_prefill: int, position: int, max_new: int, predicted: float, on_done):
         self.rid = rid  # unique in the simulation
@@ -38,11 +40,12 @@ class Request:
         self.first_at = None  # virtual s of its first token
         self.prefilled = to_prefill  # prompt tokens it prefills in all
         self.start = position  # its cached prefix: copied in as it joins, not cut again as it leaves
+        self.done = False  # finished (its worker's ``sent`` drops it)
 
 
 class ModeledWorker:
     __slots__ = ("idx", "name", "prof", "decode", "costs", "peers", "loop", "step_tokens", "max_running", "waiting",
-                 "running", "stepping", "queued_s", "steps", "busy_time")
+                 "running", "stepping", "queued_s", "sent", "first_sent", "steps", "busy_time")
 
     def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64,
                  decode=None, costs=None):
@@ -59,15 +62,24 @@ class ModeledWorker:
         self.running: dict[int, Request] = {}  # rid -> request, in join order
         self.stepping = False  # a step is in flight
         self.queued_s = 0.0  # predicted s of work here, not finished
+        self.sent: deque[Request] = deque()  # requests sent here, oldest first (finished ones dropped lazily)
+        self.first_sent: float | None = None  # when the oldest unfinished of them arrived
         self.steps = 0  # forward steps run
         self.busy_time = 0.0  # virtual s spent in steps
 
     def submit(self, req: Request) -> None:
         req.arrived = self.loop.now
         self.waiting.append(req)
+        self.sent.append(req)
+        if self.first_sent is None:
+            self.first_sent = req.arrived
         self.queued_s += req.predicted
         if not self.stepping:
             self._step()
+
+    def busy_s(self) -> float:
+        """The scheduler plugin's ``busy_s`` for this worker (``queue_estimate.queued_seconds``)."""
+        return queued_seconds(self.queued_s, self.first_sent, self.loop.now)
 
     @property
     def load(self) -> int:
@@ -111,7 +123,13 @@ class ModeledWorker:
                 done.append(r)
         for r in done:
             del self.running[r.rid]
+            r.done = True
             self.queued_s = max(0.0, self.queued_s - r.predicted)
+        if done:
+            sent = self.sent
+            while sent and sent[0].done:
+                sent.popleft()
+            self.first_sent = sent[0].arrived if sent else None
         self.stepping = False
         for r in done:
             r.on_done(r)
