@@ -505,3 +505,18 @@ async def call_scheduler(worker, name: str, /, **kwargs):
     """An RPC from a worker to a scheduler handler (``add_handlers``), over the worker's own
     connection pool to its scheduler."""
     return await getattr(worker.scheduler, name)(**kwargs)
+
+
+def drop_spawn_env(nanny, names) -> None:
+    """Remove ``names`` from the environment ``nanny`` spawns its worker with.
+
+    Dask copies ``distributed.nanny.pre-spawn-environ`` into ``Nanny.pre_spawn_env`` (and
+    merges it into ``Nanny.env``) as the nanny is built, from the config of the process the
+    nanny runs in - a Slurm job's, not ours - and spawns the worker after the nanny's
+    preloads start: a nanny preload is where a job's worker can still be spared them.
+    """
+    for attr in ("pre_spawn_env", "env"):
+        env = getattr(nanny, attr, None)
+        if isinstance(env, dict):
+            for name in names:
+                env.pop(name, None)

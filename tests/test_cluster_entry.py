@@ -118,6 +118,7 @@ def test_slurm_job_script_renders_worker_with_preload():
     [cmd] = [ln for ln in script.splitlines() if "distributed.cli.dask_worker" in ln]
     assert "tcp://10.1.2.3:8786" in cmd and "--nthreads 4" in cmd
     assert f"--preload {kvc.WORKER_PRELOAD}" in cmd
+    assert f"--preload-nanny {kvc.NANNY_PRELOAD}" in cmd  # tests/test_nanny_env.py: what it does
     assert cmd.startswith(sys.executable)  # the client's Python (a venv's bin/python)
     assert "--lifetime 1680s --lifetime-stagger 60s" in cmd  # retires 2m (+-1m) before the 30m walltime
 

@@ -27,6 +27,7 @@ from .main_guard import check_main_guard
 from .preloads import (  # noqa: F401  -- part of this module's interface
     DASHBOARD_PRELOAD,
     KV_AMM_POLICY,
+    NANNY_PRELOAD,
     SCHEDULER_PRELOAD,
     WORKER_PRELOAD,
     _preload_argv,

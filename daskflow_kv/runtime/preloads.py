@@ -10,6 +10,9 @@ SCHEDULER_PRELOAD = "daskflow_kv.plugins.kv_scheduler"
 DASHBOARD_PRELOAD = "daskflow_kv.plugins.dashboard"
 WORKER_PRELOAD = "daskflow_kv.transport.serialization"
 KV_AMM_POLICY = "daskflow_kv.plugins.kv_scheduler.KVAwareReduceReplicas"
+# For worker jobs whose nanny reads its own config (Slurm): drops DROPPED_WORKER_ENV there
+NANNY_PRELOAD = "daskflow_kv.runtime.nanny_preload"
+DROPPED_WORKER_ENV = ("MALLOC_TRIM_THRESHOLD_",)  # what a KV worker must not inherit (``worker_environ``)
 
 
 def comm_protocol(security=None) -> str:
@@ -39,7 +42,8 @@ def worker_environ() -> dict:
     import dask
 
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
-    environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    for name in DROPPED_WORKER_ENV:
+        environ.pop(name, None)
     return environ
 
 

@@ -35,7 +35,7 @@ import dask
 from dask.utils import format_bytes, parse_bytes
 
 from .. import config
-from .preloads import WORKER_PRELOAD, comm_protocol, kv_dask_config, scheduler_options
+from .preloads import NANNY_PRELOAD, WORKER_PRELOAD, comm_protocol, kv_dask_config, scheduler_options
 
 JOB_NAME = "daskflow-kv-worker"
 
@@ -91,6 +91,8 @@ def _slurm_kwargs(kwargs: dict, kv_budget=None, env: dict | None = None) -> dict
     args = list(kw.get("worker_extra_args") or [])
     if WORKER_PRELOAD not in args:
         args += ["--preload", WORKER_PRELOAD]
+    if NANNY_PRELOAD not in args:  # the job's nanny reads the job's config: dropped there
+        args += ["--preload-nanny", NANNY_PRELOAD]
     walltime = kw.get("walltime") or dask.config.get("jobqueue.slurm.walltime")
     walltime_s = walltime_seconds(walltime)
     lifetime = worker_lifetime(walltime_s, config.get_seconds("slurm.retire-before-walltime"))
