@@ -16,7 +16,8 @@ from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.sim import worker
 from daskflow_kv.sim.loop import EventLoop
 from daskflow_kv.sim.profile import preset_profile
-from daskflow_kv.sim.step_cost import TERMS, StepCost, fit_in_workers, fit_report, fit_step_cost, peer_shares
+from daskflow_kv.sim.step_cost import (TERMS, StepCost, fit_in_workers, fit_report, fit_step_cost, peer_shares,
+                                      row_speed)
 
 TRUE = StepCost(0.04, 0.03, 0.004, 1.5e-6, 0.006, 5e-6, 0.002, 2e-6, 0.001, 3e-6)
 
@@ -162,6 +163,10 @@ def test_steps_recorded_in_workers_fit_alone_and_beside_a_peer_apart(tmp_path):
     assert "240 steps" in prof.with_step_costs(path, skip=1).source  # the lone row left out (fidelity's hold-out)
     assert prof.slowed(2.0).step_costs == prof.step_costs  # the host's load is already in them
     assert prof.slowed(2.0).prefill[0].a == pytest.approx(2 * prof.prefill[0].a)
+    # how slow the host ran during a row, whatever its work: 1 on the fit's own steps
+    assert row_speed({"tcp://a": a}, TRUE, slow) == pytest.approx(1.0)
+    assert row_speed({"tcp://a": a_side, "tcp://b": b_side}, TRUE, TRUE) == pytest.approx(1.5)
+    assert row_speed({"tcp://a": []}, TRUE, TRUE) is None
     undated = _bench({"tcp://a": a}, fields=FIELDS[:-1])
     fit = fit_in_workers(undated)  # no start times: one fit on every step serves both
     assert fit["steps"] == {"alone": 0, "paired": 0, "every": 120} and fit["alone"] == fit["paired"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..stats import percentile
 from .profile import host_slowdown
+from .step_cost import bench_step_rows, row_speed
 from .systems import DaskflowSystem, LocalSystem, TextSystem
 from .workload import exp7_stream
 
@@ -119,9 +120,13 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
         other, slowdown = host_load(r, cores, workers)
         prof = profile.with_step_costs(path, skip=r["_index"]) if held_out else profile
         sim = run_system(system, prof.slowed(slowdown), wfs, workers, budget)
+        steps = bench_step_rows({"runs": [r]})
+        speed = row_speed(steps[0], *prof.step_costs) if steps and prof.step_costs else None
         row = {"label": LABEL, "system": system, "stream": kind, "rate": r["rate"], "rep": r.get("rep", 0),
                "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min"),
                "other_cores": other, "slowdown": slowdown, "steps_priced_held_out": held_out,
+               # the row's measured step seconds over the modeled price of the same steps
+               "step_speed": speed,
                # how evenly the work fell: each worker's step seconds, busiest first
                "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
                                   "simulated": sorted(sim["step_busy_by_worker"] or (), reverse=True)}}
@@ -210,15 +215,19 @@ def markdown(result: dict) -> str:
                   "the modeled forwards by the slowdown shown (n/a: the row predates that record)"
                   + ("; steps are priced by what the run's Dask workers measured (the host's load is in them, "
                      "so their cost is not slowed again), each row by a fit on the run's *other* rows." if held
-                     else "."), "",
-                  "| system | stream | rep | other cores | slowdown | metric | measured | MODELED | error |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                     else ".")
+                  + " \"Steps vs model\": the row's measured step seconds over the model's price of the same "
+                    "recorded steps (rows that recorded them, with step costs): above 1 the host ran slower "
+                    "during the row than the model prices, whatever work the row did.", "",
+                  "| system | stream | rep | other cores | slowdown | steps vs model | metric | measured | MODELED | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in fid:
             for m in (m for m in METRICS if m in r):
                 x = r[m]
                 err = _f(None if x["error"] is None else 100 * x["error"], "{:+.0f} %")
                 lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {_f(r.get('other_cores'), '{:.2f}')} | "
-                             f"{_f(r.get('slowdown'), '{:.2f}x')} | {m} | {_f(x['measured'])} | "
+                             f"{_f(r.get('slowdown'), '{:.2f}x')} | {_f(r.get('step_speed'), '{:.2f}x')} | "
+                             f"{m} | {_f(x['measured'])} | "
                              f"{_f(x['simulated'])} | {err} |")
         lines.append("")
     lines += ["## Throughput and p95 latency vs workers (MODELED)", "",

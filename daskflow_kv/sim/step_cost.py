@@ -177,3 +177,16 @@ def fit_in_workers(data: dict, min_steps: int = 4 * len(TERMS), skip: int | None
     return {"alone": fit_alone, "paired": fit_paired,
             "steps": {"alone": len(alone), "paired": len(paired), "every": len(every)},
             "rms_rel_error": fit_report(fit_every, every)["rms_rel_error"]}
+
+
+def row_speed(by_worker: dict[str, list[dict]], alone: StepCost, paired: StepCost) -> float | None:
+    """Measured step seconds of one row over what ``alone`` / ``paired`` price its steps at:
+    how slow the host ran during that row (>1: slower than the fit), apart from what work it
+    did. None when the row has no steps."""
+    shares = peer_shares(by_worker)
+    measured = priced = 0.0
+    for w, steps in by_worker.items():
+        for s, share in zip(steps, shares[w]):
+            measured += s["seconds"]
+            priced += (paired if share is not None and share >= 0.5 else alone).seconds(s)
+    return measured / priced if priced > 0 else None
