@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -111,6 +112,23 @@ def test_fidelity_replays_the_measured_exp7_rows():
     text = [r for r in rows if r["system"] == "text"]
     for r in text:
         assert abs(r["tokens_prefilled"]["error"]) < 0.10
+
+
+def test_fidelity_prices_steps_held_out_and_says_how_fast_the_host_ran():
+    """A run whose exp 7 rows recorded their steps (bench_exp7_fit.json): each row replays on
+    step costs fitted without it, and carries the host's speed during the row and the same
+    replay at that speed (the diagnostic that separates the host's drift from the model's work)."""
+    run = "benchmarks/results/bench_exp7_fit.json"
+    prof = fitted_profile(run).with_step_costs(run)
+    rows = fidelity(run, prof)
+    assert len(rows) == 12 and all(r["steps_priced_held_out"] for r in rows)
+    speeds = [r["step_speed"] for r in rows]
+    assert all(0.5 < v < 2.0 for v in speeds) and max(speeds) - min(speeds) > 0.2  # the host drifted
+    tput = [r["completed_per_min"] for r in rows]
+    plain = statistics.fmean(abs(x["error"]) for x in tput)
+    steady = statistics.fmean(abs(x["error_at_row_speed"]) for x in tput)
+    assert steady < plain  # charging the row's host speed explains part of the miss
+    assert prof.with_step_costs(run, skip=1).step_costs != prof.step_costs
 
 
 def test_other_processes_slow_the_workers_only_once_they_take_a_workers_core():

@@ -16,6 +16,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..stats import percentile
@@ -131,10 +132,20 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
                                   "simulated": sorted(sim["step_busy_by_worker"] or (), reverse=True)}}
         measured = dict(r, step_busy_s=sum((r.get("step_busy_s") or {}).values()) or None)
+        # A diagnostic, not the check: the same replay with its steps priced at the speed the
+        # host ran during the row (measured on the row's own steps, so in-sample for speed):
+        # what is left of the error is the work and its scheduling, not the host's drift.
+        steady = None
+        if speed:
+            at_speed = replace(prof, step_costs=tuple(c.scaled(speed) for c in prof.step_costs))
+            steady = run_system(system, at_speed.slowed(slowdown), wfs, workers, budget)
         for m in METRICS:
             meas, simv = measured.get(m), sim[m]
             row[m] = {"measured": meas, "simulated": simv,
                       "error": (simv - meas) / meas if meas else None}
+            if steady is not None:
+                row[m]["at_row_speed"] = steady[m]
+                row[m]["error_at_row_speed"] = (steady[m] - meas) / meas if meas else None
         out.append(row)
     return out
 
@@ -144,8 +155,11 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
     replayed rows, and how many lie within ``tolerance``."""
     out = []
     for system in sorted({r["system"] for r in rows}):
-        for m in METRICS:
-            errs = [r[m]["error"] for r in rows if r["system"] == system and m in r and r[m]["error"] is not None]
+        for m, key in [(m, "error") for m in METRICS] + [(f"{m} at the row's host speed", "error_at_row_speed")
+                                                          for m in METRICS]:
+            base = m.split(" ")[0]
+            errs = [r[base][key] for r in rows
+                    if r["system"] == system and base in r and r[base].get(key) is not None]
             if errs:
                 out.append({"system": system, "metric": m, "min": min(errs), "max": max(errs),
                             "mean": statistics.fmean(errs), "within": sum(abs(e) <= tolerance for e in errs),
