@@ -35,4 +35,4 @@ def test_a_modeled_worker_reports_the_busy_seconds_the_plugin_would():
     loop.run()
     assert seen[0] == (1.0, pytest.approx(6.0), pytest.approx(6.0))
     assert seen[1][1] == pytest.approx(5.5) and seen[1][2] == pytest.approx(6.0)  # the router's view keeps it whole
-    assert w.busy_s() == 0.0 and w.queued_s == 0.0 and not w.sent
+    assert w.busy_s() == 0.0 and w.queued_s == 0.0 and w.first_sent is None

@@ -142,6 +142,15 @@ def peer_shares(by_worker: dict[str, list[dict]]) -> dict[str, list[float]]:
     return out
 
 
+def steps_by_side(by_worker: dict[str, list[dict]]):
+    """Every step of one row with its side: ``"paired"`` when a peer worker was mid-step for
+    at least half of it, ``"alone"`` otherwise, None when it has no ``started`` time."""
+    shares = peer_shares(by_worker)
+    for w, steps in by_worker.items():
+        for s, share in zip(steps, shares[w]):
+            yield s, None if share is None else ("paired" if share >= 0.5 else "alone")
+
+
 def bench_step_rows(data: dict, skip: int | None = None) -> list[dict[str, list[dict]]]:
     """Each exp 7 row's recorded steps, by worker, as dicts (a bench JSON written with
     ``DASKFLOW_KV_BENCH_STEP_SHAPES=1``), but the row at ``runs[skip]``."""
@@ -163,12 +172,10 @@ def fit_in_workers(data: dict, min_steps: int = 4 * len(TERMS), skip: int | None
     replay that row on a fit it did not feed)."""
     alone, paired, every = [], [], []
     for by_worker in bench_step_rows(data, skip):
-        shares = peer_shares(by_worker)
-        for w, steps in by_worker.items():
-            for s, share in zip(steps, shares[w]):
-                every.append(s)
-                if share is not None:
-                    (paired if share >= 0.5 else alone).append(s)
+        for s, side in steps_by_side(by_worker):
+            every.append(s)
+            if side is not None:
+                (paired if side == "paired" else alone).append(s)
     if not every:
         raise ValueError("no exp 7 row carries step shapes (run the bench with DASKFLOW_KV_BENCH_STEP_SHAPES=1)")
     fit_every = fit_step_cost(every)
@@ -183,10 +190,8 @@ def row_speed(by_worker: dict[str, list[dict]], alone: StepCost, paired: StepCos
     """Measured step seconds of one row over what ``alone`` / ``paired`` price its steps at:
     how slow the host ran during that row (>1: slower than the fit), apart from what work it
     did. None when the row has no steps."""
-    shares = peer_shares(by_worker)
     measured = priced = 0.0
-    for w, steps in by_worker.items():
-        for s, share in zip(steps, shares[w]):
-            measured += s["seconds"]
-            priced += (paired if share is not None and share >= 0.5 else alone).seconds(s)
+    for s, side in steps_by_side(by_worker):
+        measured += s["seconds"]
+        priced += (paired if side == "paired" else alone).seconds(s)
     return measured / priced if priced > 0 else None

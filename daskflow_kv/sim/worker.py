@@ -26,7 +26,7 @@ from .profile import step_seconds
 
 class Request:
     __slots__ = ("rid", "arrived", "to_prefill", "position", "max_new", "generated", "predicted", "on_done",
-                 "first_at", "prefilled", "start", "done")
+                 "first_at", "prefilled", "start")
 
     def __init__(self, rid: int, to_prefill: int, position: int, max_new: int, predicted: float, on_done):
         self.rid = rid  # unique in the simulation
@@ -40,12 +40,11 @@ class Request:
         self.first_at = None  # virtual s of its first token
         self.prefilled = to_prefill  # prompt tokens it prefills in all
         self.start = position  # its cached prefix: copied in as it joins, not cut again as it leaves
-        self.done = False  # finished (its worker's ``sent`` drops it)
 
 
 class ModeledWorker:
     __slots__ = ("idx", "name", "prof", "decode", "costs", "peers", "loop", "step_tokens", "max_running", "waiting",
-                 "running", "stepping", "queued_s", "sent", "first_sent", "steps", "busy_time")
+                 "running", "stepping", "queued_s", "steps", "busy_time")
 
     def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64,
                  decode=None, costs=None):
@@ -62,20 +61,24 @@ class ModeledWorker:
         self.running: dict[int, Request] = {}  # rid -> request, in join order
         self.stepping = False  # a step is in flight
         self.queued_s = 0.0  # predicted s of work here, not finished
-        self.sent: deque[Request] = deque()  # requests sent here, oldest first (finished ones dropped lazily)
-        self.first_sent: float | None = None  # when the oldest unfinished of them arrived
         self.steps = 0  # forward steps run
         self.busy_time = 0.0  # virtual s spent in steps
 
     def submit(self, req: Request) -> None:
         req.arrived = self.loop.now
         self.waiting.append(req)
-        self.sent.append(req)
-        if self.first_sent is None:
-            self.first_sent = req.arrived
         self.queued_s += req.predicted
         if not self.stepping:
             self._step()
+
+    @property
+    def first_sent(self) -> float | None:
+        """When the oldest unfinished request sent here arrived: requests join in arrival
+        order and ``running`` keeps join order, so it is the first running one, else the
+        first waiting one."""
+        for r in self.running.values():
+            return r.arrived
+        return self.waiting[0].arrived if self.waiting else None
 
     def busy_s(self) -> float:
         """The scheduler plugin's ``busy_s`` for this worker (``queue_estimate.queued_seconds``)."""
@@ -123,13 +126,7 @@ class ModeledWorker:
                 done.append(r)
         for r in done:
             del self.running[r.rid]
-            r.done = True
             self.queued_s = max(0.0, self.queued_s - r.predicted)
-        if done:
-            sent = self.sent
-            while sent and sent[0].done:
-                sent.popleft()
-            self.first_sent = sent[0].arrived if sent else None
         self.stepping = False
         for r in done:
             r.on_done(r)
