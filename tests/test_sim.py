@@ -391,3 +391,18 @@ def test_text_replay_spreads_a_levels_agents_over_the_workers(prof):
     sim.run([SimWorkflow(0, 0.0, 0, 0, calls)])
     assert [w.steps > 0 for w in sim.workers] == [True, True]
     assert sim.workers[0].busy_time == pytest.approx(sim.workers[1].busy_time, rel=0.05)
+
+
+def test_simulate_refuses_a_missing_or_wrong_input_file_in_one_line(tmp_path, capsys):
+    from daskflow_kv.sim.cli import main
+
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "broken.json").write_text("{not json")
+    for argv in (["--step-cost", str(tmp_path / "empty.json")], ["--step-cost", str(tmp_path / "missing.json")],
+                 ["--profile-from", str(tmp_path / "broken.json")], ["--trace", str(tmp_path / "missing.jsonl")]):
+        with pytest.raises(SystemExit) as e:
+            main(["--workers", "2", "--out", str(tmp_path / "out"), *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("daskflow-kv simulate: error: ") and "Traceback" not in "\n".join(err)
+    assert not list(tmp_path.glob("out*"))  # nothing simulated, nothing written

@@ -45,13 +45,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    profile = preset_profile(args.hardware) if args.hardware else fitted_profile(args.profile_from)
-    if args.step_cost:
-        profile = profile.with_step_costs(args.step_cost)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:  # a missing or unreadable input file: one line, before any simulation runs
+        profile = preset_profile(args.hardware) if args.hardware else fitted_profile(args.profile_from)
+        if args.step_cost:
+            profile = profile.with_step_costs(args.step_cost)
+        wfs = read_trace(args.trace) if args.trace else None
+    except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
+        parser.error(" ".join(str(e).split()))
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.trace:
-        wfs = read_trace(args.trace)
         rows = [run_system(s, profile, wfs, n, args.budget) | {"stream": f"trace:{Path(args.trace).name}"}
                 for n in args.workers for s in args.systems]
         for r in rows:
