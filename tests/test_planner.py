@@ -381,3 +381,21 @@ def test_a_short_cached_prefix_does_not_pin_a_long_prefill_to_its_holder():
     # nothing measured yet (no profile to price a move with) or a single worker: pin, as before
     assert materialize_policy(_view(profile=None), 16, 1000) == "pin"
     assert materialize_policy(_view(workers=(A,)), 16, 1000) == "pin"
+
+
+def test_a_plans_memo_of_sources_gives_the_decisions_asked_one_by_one():
+    """``prefix_decision(sources=...)``: workers lacking the same blocks share one answer to
+    where they come from; each decision is what it is without the memo."""
+    from daskflow_kv.policy.placement import prefix_decision
+
+    D, E = "tcp://d:1", "tcp://e:1"
+    m = _held_on(_match(n_blocks=4, where=(A, B)), [A, B, C], 2)  # C holds the first two blocks, A and B all
+    view = _view(workers=(A, B, C, D, E), bandwidth=1e9, busy={A: 2.0, B: 0.5})
+    sources: dict = {}
+    for r in (32, 64):
+        for dst in (A, B, C, D, E):
+            assert prefix_decision(view, m, r, dst, sources=sources) == prefix_decision(view, m, r, dst)
+    assert prefix_decision(view, m, 64, D, sources=sources).src == B  # ties on bytes: the less busy holder
+    # asked about: D's blocks 0-1 (r=32), C's 2-3 and D's 0-3 (r=64); E lacks what D lacks (answered
+    # from the memo), A and B lack nothing
+    assert sorted(len(k) for k in sources) == [2, 2, 4]

@@ -6,6 +6,8 @@ tests/plugins/test_plugin_placement.py; here the rule and the modeled worker's u
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from daskflow_kv.policy.cost_model import PrefillProfile
@@ -36,3 +38,52 @@ def test_a_modeled_worker_reports_the_busy_seconds_the_plugin_would():
     assert seen[0] == (1.0, pytest.approx(6.0), pytest.approx(6.0))
     assert seen[1][1] == pytest.approx(5.5) and seen[1][2] == pytest.approx(6.0)  # the router's view keeps it whole
     assert w.busy_s() == 0.0 and w.queued_s == 0.0 and w.first_sent is None
+
+
+def test_the_rule_over_arrays_gives_the_same_floats_as_worker_by_worker():
+    """``queued_seconds_all`` (the simulator's ranking of hundreds of workers) is the scalar
+    rule element for element, to the bit: a ranking must not flip on rounding."""
+    import numpy as np
+
+    from daskflow_kv.policy.queue_estimate import queued_seconds_all
+
+    rng = random.Random(7)
+    sent = [rng.choice([0.0, rng.uniform(0, 30)]) for _ in range(300)]
+    first = [rng.choice([None, rng.uniform(0, 50)]) for _ in range(300)]
+    planned = [rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(300)]
+    now = 41.3
+    got = queued_seconds_all(np.array(sent), np.array([np.nan if f is None else f for f in first]), now,
+                             np.array(planned))
+    assert got.tolist() == [queued_seconds(s, f, now, p) for s, f, p in zip(sent, first, planned)]
+    assert queued_seconds_all(np.array([8.0]), np.array([100.0]), 103.0).tolist() == [queued_seconds(8.0, 100.0, 103.0)]
+
+
+def test_the_queue_board_ranks_as_a_sort_on_busy_then_load_then_index():
+    """``QueueBoard.rank``: the modeled workers' queues, posted as requests come and go, ranked
+    as ``heapq.nsmallest`` on (busy, load, index) would, over all workers or some, less some."""
+    import heapq
+
+    import numpy as np
+
+    from daskflow_kv.sim.worker import QueueBoard
+
+    loop = EventLoop()
+    board = QueueBoard(4)
+    ws = [ModeledWorker(i, PrefillProfile(0.5, 0.01, 0.0), loop, board=board) for i in range(4)]
+    loop.at(1.0, ws[2].submit, Request(1, 100, 0, 0, 3.0, lambda r: None))
+    loop.at(1.0, ws[3].submit, Request(2, 10, 0, 0, 3.0, lambda r: None))
+    seen = []
+    loop.at(1.2, lambda: seen.append((board.sent.tolist(), board.load.tolist(), np.isnan(board.first).tolist())))
+    loop.run()
+    assert seen == [([0.0, 0.0, 3.0, 3.0], [0, 0, 1, 1], [True, True, False, False])]
+    assert board.load.tolist() == [0] * 4 and board.sent.tolist() == [0.0] * 4  # posted again as they finished
+
+    rng = random.Random(3)
+    board = QueueBoard(40)
+    board.load[:] = [rng.randint(0, 2) for _ in range(40)]
+    busy = np.array([rng.choice([0.0, 1.0, rng.uniform(0, 2)]) for _ in range(40)])
+    key = lambda i: (busy[i], board.load[i], i)  # noqa: E731
+    assert board.rank(busy, 5) == heapq.nsmallest(5, range(40), key=key)
+    some = set(rng.sample(range(40), 15))
+    assert board.rank(busy, 4, some) == heapq.nsmallest(4, some, key=key)
+    assert board.rank(busy, 6, exclude={0, 1, 2}) == heapq.nsmallest(6, set(range(40)) - {0, 1, 2}, key=key)

@@ -39,8 +39,24 @@ def test_the_policies_are_imported_not_copied():
     assert systems.admit is admission.admit
     assert systems.batch_seconds is placement.batch_seconds
     assert worker.plan_step is step_schedule.plan_step
-    assert blocks.BlockUsage.__module__ == "daskflow_kv.policy.eviction"
     assert policy  # the package the runtime imports them from
+
+
+def test_a_ledgers_blocks_are_eviction_rows_as_they_are():
+    """``Ledger.usage`` hands ``Held`` blocks to ``choose_victims`` as ``BlockUsage`` rows: every
+    field the policy reads is there, and the plan is the one the same rows as ``BlockUsage`` get."""
+    from daskflow_kv.policy.eviction import BlockUsage, choose_victims
+
+    missing = [f for f in BlockUsage.__slots__ if not hasattr(blocks.Held("k", 1, None, 0, 0.0), f)]
+    assert not missing
+    lg = blocks.Ledger()
+    for i, (nbytes, t, reuse, pins) in enumerate([(64, 1.0, 0, 0), (64, 5.0, 3, 0), (32, 2.0, 0, 1), (64, 9.0, 1, 0),
+                                                 (16, 0.5, 0, 0)]):
+        lg.blocks[f"b{i}"] = blocks.Held(f"b{i}", nbytes, f"b{i - 1}" if i % 3 else None, 64 * (i % 3), t, reuse, pins)
+    rows = [BlockUsage(b.key, b.nbytes, b.last_access, b.reuse_count, b.pins > 0, b.parent, b.token_start)
+            for b in lg.blocks.values()]
+    plan = choose_victims(lg.usage(), 240, 100, 10.0)
+    assert plan == choose_victims(rows, 240, 100, 10.0) and plan.victims
 
 
 def test_text_replay_prefills_every_prompt_token(prof, stream):

@@ -116,7 +116,8 @@ def choose_victims(blocks: Iterable[BlockUsage], used_bytes: int, budget_bytes: 
         return (tier, eviction_score(b, now, weights), -b.token_start, b.key)
 
     floors = floors or {}
-    left = dict(owner_bytes(by_key.values()) if held is None else held)  # owner -> bytes it still holds
+    # owner -> bytes it still holds (only floors read it)
+    left = {} if not floors else dict(owner_bytes(by_key.values()) if held is None else held)
 
     def above_floor(b: BlockUsage) -> bool:
         return b.owner not in floors or left.get(b.owner, 0) - b.nbytes >= floors[b.owner]

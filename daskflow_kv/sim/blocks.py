@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..policy.eviction import BlockUsage
 
 BLOCK = 64  # tokens per KV block (the runtime's block_size)
 _KEYS: dict[tuple, str] = {}  # content identity -> short block key
@@ -82,15 +81,24 @@ def common_prefix(prompts: list[tuple]) -> int:
 
 @dataclass(slots=True)
 class Held:
-    """One block on one daskflow-kv worker."""
+    """One block on one daskflow-kv worker. It carries ``policy.eviction.BlockUsage``'s fields,
+    so a ledger hands its blocks to the eviction policy as they are: a ``BlockUsage`` made per
+    block per admission was a sixth of a 512-worker run."""
 
+    key: str  # its block key
     nbytes: int  # its K/V bytes
     parent: str | None  # previous block of its chain
-    start: int  # first token position
+    token_start: int  # first token position
     last_access: float  # virtual s of the last read or write
-    reuse: int = 0  # reads since it was made here
+    reuse_count: int = 0  # reads since it was made here
     pins: int = 0  # admitted tasks on this worker that read or make it (never evicted while > 0)
     planned: bool = False  # a later level of a running workflow reads it (KVFlow's hint)
+    owner = None  # no tenants in the simulation
+    replica = False  # replicas are not told apart here
+
+    @property
+    def pinned(self) -> bool:
+        return self.pins > 0
 
 
 class Directory:
@@ -130,9 +138,8 @@ class Ledger:
         self.peak = max(self.peak, self.held + self.reserved)
 
     def usage(self):
-        """``BlockUsage`` rows for ``policy.eviction`` (a generator: read only when over budget)."""
-        for k, b in self.blocks.items():
-            yield BlockUsage(k, b.nbytes, b.last_access, b.reuse, b.pins > 0, b.parent, b.start, None, b.planned)
+        """Rows for ``policy.eviction``: the blocks themselves (``Held`` has ``BlockUsage``'s fields)."""
+        return self.blocks.values()
 
 
 class LRUCache:

@@ -23,17 +23,18 @@ at 2 or 8).
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
+
+import numpy as np
 
 from ..policy.admission import ADMIT, FAIL, admit
 from ..policy.cluster_view import CachedBlock, ClusterView, PrefixMatch, WorkerLoad
 from ..policy.placement import batch_seconds, held_prefix, materialize_policy, plan_placements
-from ..policy.queue_estimate import queued_seconds
+from ..policy.queue_estimate import queued_seconds_all
 from .blocks import LRUCache, Directory, Held, Ledger, chain, common_prefix
 from .loop import EventLoop
-from .worker import ModeledWorker, Request
+from .worker import ModeledWorker, QueueBoard, Request
 
 
 def prefix_groups(calls) -> list[tuple[int, list]]:
@@ -65,8 +66,9 @@ class System:
                  max_running: int = 64, pool: int = 8, full_pool: int = 16):
         self.profile = profile  # SimProfile
         self.loop = EventLoop()
+        self.board = QueueBoard(n_workers)
         self.workers = [ModeledWorker(i, profile.worker_prefill(i), self.loop, step_tokens, max_running, profile.decode,
-                                      profile.step_costs)
+                                      profile.step_costs, self.board)
                         for i in range(n_workers)]
         per_host = max(1, profile.workers_per_host)
         for w in self.workers:  # hosts of ``workers_per_host`` consecutive workers, as measured
@@ -118,11 +120,15 @@ class System:
         """Predicted seconds queued on ``w``, as the system's router or planner sees them."""
         return w.queued_s
 
+    def _busy_all(self):
+        """``_busy`` of every worker, as an array (``QueueBoard.rank`` orders by it)."""
+        return self.board.sent
+
     def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
+        """The ``k`` least busy workers (ties: fewer requests, then index), less ``exclude``."""
         if len(self.workers) <= k:
             return [w for w in self.workers if w.idx not in exclude]
-        return heapq.nsmallest(k, (w for w in self.workers if w.idx not in exclude),
-                               key=lambda w: (self._busy(w), w.load, w.idx))
+        return [self.workers[i] for i in self.board.rank(self._busy_all(), k, exclude=exclude)]
 
     def run_level(self, f: _Flow, calls) -> None:
         raise NotImplementedError
@@ -362,18 +368,9 @@ class DaskflowSystem(System):
         """The plugin's ``busy_s``: sent work less its progress (``w.busy_s()``), plus planned."""
         return w.busy_s() + (self.planned[w.idx] if self.count_planned else 0.0)
 
-    def least_busy(self, k: int, exclude=()) -> list[ModeledWorker]:
-        """``System.least_busy``'s order, keys built in one pass (a key function called per
-        worker per group was a quarter of a 512-worker run)."""
-        if len(self.workers) <= k:
-            return [w for w in self.workers if w.idx not in exclude]
-        pl = self.planned if self.count_planned else [0.0] * len(self.workers)
-        now = self.loop.now
-        keys = [(queued_seconds(w.queued_s, w.first_sent, now, p), len(w.running) + len(w.waiting), w.idx)
-                for w, p in zip(self.workers, pl)]
-        if exclude:
-            keys = [x for x in keys if x[2] not in exclude]
-        return [self.workers[i] for _, _, i in heapq.nsmallest(k, keys)]
+    def _busy_all(self):
+        b = self.board
+        return queued_seconds_all(b.sent, b.first, self.loop.now, np.asarray(self.planned) if self.count_planned else 0.0)
 
     def _match(self, blocks) -> PrefixMatch:
         out, n = [], 0
@@ -387,8 +384,7 @@ class DaskflowSystem(System):
                 # branch was most of a 512-worker run
                 sel = [i for i in chosen if i in hs]
                 if len(sel) < self.pool:
-                    chosen = sel = [w.idx for w in heapq.nsmallest(
-                        self.pool, (self.workers[i] for i in hs), key=lambda w: (self._busy(w), w.load, w.idx))]
+                    chosen = sel = self.board.rank(self._busy_all(), self.pool, hs)
                 hs = sel
             if hs:
                 names = tuple(self.workers[i].name for i in sorted(hs))
@@ -566,7 +562,7 @@ class DaskflowSystem(System):
         parent = reads[-1][0] if reads else None
         for k, s, e in new_blocks:
             if k not in lg.blocks:
-                lg.blocks[k] = Held((e - s) * self.bpt, parent, s, now)
+                lg.blocks[k] = Held(k, (e - s) * self.bpt, parent, s, now)
                 lg.held += (e - s) * self.bpt
                 self.dir.add(k, w.idx)
             parent = k
@@ -574,7 +570,7 @@ class DaskflowSystem(System):
             b = lg.blocks.get(k)
             if b is not None:
                 b.pins = max(0, b.pins - 1)
-                b.reuse += 1
+                b.reuse_count += 1
                 b.last_access = now
         lg.note_peak()
         self.admitted[w.idx] -= 1

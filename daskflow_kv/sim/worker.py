@@ -16,7 +16,10 @@ a router queues against); ``busy_s()`` what the scheduler plugin would report fo
 
 from __future__ import annotations
 
+import math
 from collections import deque
+
+import numpy as np
 
 from ..policy.queue_estimate import queued_seconds
 from ..policy.step_schedule import Seq, plan_step
@@ -42,12 +45,33 @@ class Request:
         self.start = position  # its cached prefix: copied in as it joins, not cut again as it leaves
 
 
+class QueueBoard:
+    """Every modeled worker's queue in arrays, posted by each worker as requests arrive and
+    finish, so that a planner ranks hundreds of workers in a few vector operations
+    (``policy.queue_estimate.queued_seconds_all``); one by one, that was a third of a
+    512-worker run."""
+
+    __slots__ = ("sent", "first", "load")
+
+    def __init__(self, n: int):
+        self.sent = np.zeros(n)  # each worker's ``queued_s``
+        self.first = np.full(n, np.nan)  # its ``first_sent`` (NaN: none)
+        self.load = np.zeros(n, dtype=np.int64)  # its ``load``
+
+    def rank(self, busy, k: int, ids=None, exclude=()) -> list[int]:
+        """The ``k`` workers (of ``ids``; default all) with the least ``busy`` seconds, ties by
+        load, then index, less ``exclude``: the order of ``heapq.nsmallest`` on those keys."""
+        ids = np.arange(len(self.sent)) if ids is None else np.fromiter(ids, dtype=np.int64)
+        order = ids[np.lexsort((ids, self.load[ids], busy[ids]))].tolist()
+        return [i for i in order if i not in exclude][:k] if exclude else order[:k]
+
+
 class ModeledWorker:
     __slots__ = ("idx", "name", "prof", "decode", "costs", "peers", "loop", "step_tokens", "max_running", "waiting",
-                 "running", "stepping", "queued_s", "steps", "busy_time")
+                 "running", "stepping", "queued_s", "steps", "busy_time", "board")
 
     def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64,
-                 decode=None, costs=None):
+                 decode=None, costs=None, board: QueueBoard | None = None):
         self.idx = idx  # position in the cluster
         self.name = f"w{idx}"  # its address in ClusterView
         self.prof = prof  # PrefillProfile
@@ -63,11 +87,13 @@ class ModeledWorker:
         self.queued_s = 0.0  # predicted s of work here, not finished
         self.steps = 0  # forward steps run
         self.busy_time = 0.0  # virtual s spent in steps
+        self.board = board  # where it posts its queue (None: nowhere)
 
     def submit(self, req: Request) -> None:
         req.arrived = self.loop.now
         self.waiting.append(req)
         self.queued_s += req.predicted
+        self._post()
         if not self.stepping:
             self._step()
 
@@ -79,6 +105,13 @@ class ModeledWorker:
         for r in self.running.values():
             return r.arrived
         return self.waiting[0].arrived if self.waiting else None
+
+    def _post(self) -> None:
+        b = self.board
+        if b is not None:
+            first = self.first_sent
+            b.sent[self.idx], b.load[self.idx] = self.queued_s, self.load
+            b.first[self.idx] = math.nan if first is None else first
 
     def busy_s(self) -> float:
         """The scheduler plugin's ``busy_s`` for this worker (``queue_estimate.queued_seconds``)."""
@@ -127,6 +160,8 @@ class ModeledWorker:
         for r in done:
             del self.running[r.rid]
             self.queued_s = max(0.0, self.queued_s - r.predicted)
+        if done:
+            self._post()
         self.stepping = False
         for r in done:
             r.on_done(r)
