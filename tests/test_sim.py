@@ -409,16 +409,36 @@ def test_text_replay_spreads_a_levels_agents_over_the_workers(prof):
     assert sim.workers[0].busy_time == pytest.approx(sim.workers[1].busy_time, rel=0.05)
 
 
-def test_simulate_refuses_a_missing_or_wrong_input_file_in_one_line(tmp_path, capsys):
+def test_simulate_refuses_a_missing_or_wrong_input_file_or_a_gate_of_none_in_one_line(tmp_path, capsys):
     from daskflow_kv.sim.cli import main
 
     (tmp_path / "empty.json").write_text("{}")
     (tmp_path / "broken.json").write_text("{not json")
     for argv in (["--step-cost", str(tmp_path / "empty.json")], ["--step-cost", str(tmp_path / "missing.json")],
-                 ["--profile-from", str(tmp_path / "broken.json")], ["--trace", str(tmp_path / "missing.jsonl")]):
+                 ["--profile-from", str(tmp_path / "broken.json")], ["--trace", str(tmp_path / "missing.jsonl")],
+                 ["--workflow-gate", "0"]):
         with pytest.raises(SystemExit) as e:
             main(["--workers", "2", "--out", str(tmp_path / "out"), *argv])
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("daskflow-kv simulate: error: ") and "Traceback" not in "\n".join(err)
     assert not list(tmp_path.glob("out*"))  # nothing simulated, nothing written
+
+
+def test_a_workflow_gate_keeps_at_most_its_share_running_and_lets_them_in_by_arrival(prof, stream):
+    """``--workflow-gate``'s what-if: at most ``gate`` running workflows per worker, the rest
+    wait in arrival order; every one completes and its latency counts the wait."""
+    sim = report.make_system("daskflow-kv", prof, 2, None, gate=1.5)
+    flows = sim.run(stream)
+    assert all(f.done_at >= f.started >= f.wf.at for f in flows)
+    events = sorted([(f.started, 1) for f in flows] + [(f.done_at, -1) for f in flows])
+    running, peak = 0, 0
+    for _, step in events:  # a departure at t frees its place before an entry at t
+        running += step
+        peak = max(peak, running)
+    assert peak == 3  # int(1.5 x 2 workers): full, never over
+    waited = [f for f in flows if f.started > f.wf.at]
+    assert waited  # the stream overloads 2 workers: some waited at the gate
+    order = sorted(flows, key=lambda f: (f.wf.at, f.wf.index))
+    assert [f.started for f in order] == sorted(f.started for f in order)  # first come, first in
+    assert run_system("daskflow-kv", prof, stream, 2, None, gate=1.5)["completed"] == len(stream)

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--per-worker", type=int, default=20, help="workflows per worker (capped at 10,240)")
     p.add_argument("--rate-per-worker", type=float, default=18.0,
                    help="workflows/min offered per worker (default %(default)s: exp 7's 36/min on 2 workers)")
+    p.add_argument("--workflow-gate", type=float, metavar="N",
+                   help="what-if: at most N running workflows per worker, the rest wait in arrival order, for "
+                        "every system (the runtime has no such gate; default: none)")
     p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
     p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
     p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
@@ -54,6 +57,8 @@ def main(argv=None) -> int:
         wfs = read_trace(args.trace) if args.trace else None
     except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         parser.error(" ".join(str(e).split()))
+    if args.workflow_gate is not None and not args.workflow_gate > 0:
+        parser.error(f"--workflow-gate {args.workflow_gate}: give running workflows per worker, more than 0")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.trace:
         rows = [run_system(s, profile, wfs, n, args.budget) | {"stream": f"trace:{Path(args.trace).name}"}
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
         return 0
     t0 = time.perf_counter()
     grid = simulate_grid(profile, args.workers, args.systems, args.streams, per_worker=args.per_worker,
-                         rate_per_worker=args.rate_per_worker,
+                         rate_per_worker=args.rate_per_worker, gate=args.workflow_gate,
                          progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} {r['system']:<12} "
                                                 f"{r['completed_per_min']:8.1f}/min p95 {r['latency_p95_s']:7.1f} s "
                                                 f"MODELED ({r['sim_wall_s']:.1f} s)"))

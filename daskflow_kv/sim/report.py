@@ -171,11 +171,12 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
 def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv", "local", "text"),
                   streams=STREAMS, per_worker: int = 20, docs_per_worker: int = 2, rate_per_worker: float = 18.0,
                   context: int = 1024, max_new: int = 16, min_workflows: int = 64, max_workflows: int = 10_240,
-                  progress=None) -> list[dict]:
+                  progress=None, gate: float | None = None) -> list[dict]:
     """Throughput and p95 per (workers, stream, system). Load scales with the cluster: exp 7's
     saturating 36/min on 2 workers (18/min per worker), ``per_worker`` workflows and
     ``docs_per_worker`` documents per worker; the budget is exp 7's rule at 2 workers (a
-    fixed number of bytes per worker, so a worker holds about one document as N grows)."""
+    fixed number of bytes per worker, so a worker holds about one document as N grows).
+    ``gate``: running workflows per worker at most, for every system (``System``'s what-if)."""
     rows = []
     for n_workers in workers:
         n = min(max_workflows, max(min_workflows, per_worker * n_workers))
@@ -186,8 +187,8 @@ def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv",
             if kind.endswith("-budget"):
                 budget = exp7_budget(2 * docs_per_worker, context, profile.bytes_per_token, wfs)
             for system in systems:
-                row = run_system(system, profile, wfs, n_workers, budget)
-                row.update(stream=kind, docs=docs, rate_per_min=rate_per_worker * n_workers)
+                row = run_system(system, profile, wfs, n_workers, budget, gate=gate)
+                row.update(stream=kind, docs=docs, rate_per_min=rate_per_worker * n_workers, gate_per_worker=gate)
                 rows.append(row)
                 if progress:
                     progress(row)

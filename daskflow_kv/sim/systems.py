@@ -48,22 +48,24 @@ def prefix_groups(calls) -> list[tuple[int, list]]:
 class _Flow:
     """A running workflow."""
 
-    __slots__ = ("wf", "levels", "level", "pending", "done_at", "failed")
+    __slots__ = ("wf", "levels", "level", "pending", "started", "done_at", "failed", "left")
 
     def __init__(self, wf):
         self.wf = wf
         self.levels = wf.levels()
         self.level = -1  # the level running
         self.pending = 0  # its calls not finished
+        self.started = math.nan  # virtual s it passed the gate (its arrival when there is none)
         self.done_at = math.nan  # virtual s it finished
         self.failed = None  # why it failed, if it did
+        self.left = False  # done or failed: its place at the gate is given back
 
 
 class System:
     name = "?"
 
     def __init__(self, profile, n_workers: int, budget: int | None = None, step_tokens: int = 512,
-                 max_running: int = 64, pool: int = 8, full_pool: int = 16):
+                 max_running: int = 64, pool: int = 8, full_pool: int = 16, gate: float | None = None):
         self.profile = profile  # SimProfile
         self.loop = EventLoop()
         self.board = QueueBoard(n_workers)
@@ -84,24 +86,47 @@ class System:
         self.bytes_transferred = 0
         self.evictions = 0
         self._rid = 0
+        # A what-if the runtime does not have: at most ``gate`` running workflows per worker,
+        # the rest waiting in arrival order (None: every workflow starts when it arrives).
+        self.gate = None if gate is None else max(1, int(gate * n_workers))
+        self.running_flows = 0
+        self.gated: deque[_Flow] = deque()
 
     # -- driving -------------------------------------------------------------------------
     def run(self, workflows) -> list[_Flow]:
         for wf in workflows:
             f = _Flow(wf)
             self.flows.append(f)
-            self.loop.at(wf.at, self._next_level, f)
+            self.loop.at(wf.at, self._arrive, f)
         self.loop.run()
         return self.flows
+
+    def _arrive(self, f: _Flow) -> None:
+        if self.gate is not None and self.running_flows >= self.gate:
+            self.gated.append(f)  # its latency counts this wait: it runs from its arrival
+            return
+        self.running_flows += 1
+        f.started = self.loop.now
+        self._next_level(f)
 
     def _next_level(self, f: _Flow) -> None:
         f.level += 1
         if f.level >= len(f.levels) or f.failed:
             f.done_at = self.loop.now
+            self._leave(f)
             return
         calls = f.levels[f.level]
         f.pending = len(calls)
         self.run_level(f, calls)
+
+    def _leave(self, f: _Flow) -> None:
+        """``f`` is done or failed: its place goes to the next workflow waiting at the gate."""
+        if f.left:
+            return
+        f.left = True
+        self.running_flows -= 1
+        if self.gated:
+            self._arrive(self.gated.popleft())
 
     def _call_done(self, f: _Flow) -> None:
         f.pending -= 1
@@ -539,6 +564,7 @@ class DaskflowSystem(System):
             if a.action != ADMIT:
                 if a.action == FAIL or self.admitted[w.idx] == 0:  # nothing running here can free room
                     f.failed = a.reason
+                    self._leave(f)  # its other calls never finish: it leaves now
                     self.failed += 1
                     for k, _, _ in new_blocks:  # never made here: whoever waits for them goes on
                         if self.pending.get(k, (None,))[0] == w.idx:
