@@ -117,14 +117,13 @@ def prefix_decision(view: ClusterView, match: PrefixMatch, reused: int, dst: str
         return decide(0, 0, reused, dst, dst, None, None, view.memory_weight, src_ready=ready,
                       dst_wait=view.busy(dst))
     memo = None if sources is None else tuple(b.key for b in missing)
-    if memo in (sources or {}):
-        src, nbytes, src_ready = sources[memo]
-    else:
+    found = None if memo is None else sources.get(memo)
+    if found is None:
         src = holder_of(missing, view.busy)
-        nbytes = sum(b.nbytes for b in missing)
-        src_ready = src and max(_ready_on(b, src, view) for b in missing)
-        if sources is not None:
-            sources[memo] = src, nbytes, src_ready
+        found = src, sum(b.nbytes for b in missing), src and max(_ready_on(b, src, view) for b in missing)
+        if memo is not None:
+            sources[memo] = found
+    src, nbytes, src_ready = found
     if src is None:  # being recomputed somewhere Dask has not chosen yet: let Dask place it
         return None
     return decide(nbytes, reused - held, held, src, dst, view.link(src, dst), view.profile(dst),
