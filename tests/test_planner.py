@@ -399,3 +399,46 @@ def test_a_plans_memo_of_sources_gives_the_decisions_asked_one_by_one():
     # asked about: D's blocks 0-1 (r=32), C's 2-3 and D's 0-3 (r=64); E lacks what D lacks (answered
     # from the memo), A and B lack nothing
     assert sorted(len(k) for k in sources) == [2, 2, 4]
+
+
+def test_plans_with_the_sources_memo_equal_plans_without_it(monkeypatch):
+    """Random clusters, prefixes (cached, partly replicated, still being made) and branch
+    sets: ``plan_placements`` gives the same placements and decisions with the plan's memo
+    of sources as when every worker's question is answered afresh."""
+    import random
+
+    from daskflow_kv.policy import placement
+
+    rng = random.Random(11)
+    names = [f"tcp://w{i}:1" for i in range(5)]
+    cases = []
+    for _ in range(150):
+        ws = names[: rng.randint(2, 5)]
+        blocks, start = [], 0
+        for i in range(rng.randint(1, 6)):
+            where = tuple(sorted(rng.sample(ws, rng.randint(0, len(ws)))))
+            who = where if rng.random() < 0.8 else ()
+            blocks.append(CachedBlock(f"kvblock-{i}", start, start + 16, BLOCK, who, where))
+            start += 16
+        view = _view(workers=ws, bandwidth=rng.choice([1e7, 1e8, 1e9]),
+                     busy={w: rng.choice([0.0, 0.3, 2.0, rng.uniform(0, 5)]) for w in ws})
+        n = rng.randint(1, 6)
+        reused = [rng.choice([16 * k for k in range(1, len(blocks) + 1)]) for _ in range(n)]
+        cases.append((view, PrefixMatch(start, tuple(blocks)), reused, n, [rng.randint(1, 64) for _ in range(n)],
+                      rng.choice([1, 16]), rng.choice(["auto", "auto", "transfer", "recompute"])))
+
+    def plans():
+        return [plan_placements(v, m, r, n, policy=p, new_tokens=t, max_new_tokens=k) for v, m, r, n, t, k, p in cases]
+
+    with_memo = plans()
+    fresh, asked = placement.prefix_decision, []
+
+    def no_memo(view, match, reused, dst, forced=None, loaded=False, sources=None):
+        asked.append(sources)
+        return fresh(view, match, reused, dst, forced, loaded)
+
+    monkeypatch.setattr(placement, "prefix_decision", no_memo)
+    assert plans() == with_memo
+    assert any(s is not None for s in asked)  # the planner did offer its memo, and went without it
+    assert any(p.action == "transfer" for ps in with_memo for p in ps)  # the cases exercise the choices
+    assert any(p.action == "recompute" for ps in with_memo for p in ps)
