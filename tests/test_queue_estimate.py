@@ -40,22 +40,24 @@ def test_a_modeled_worker_reports_the_busy_seconds_the_plugin_would():
     assert w.busy_s() == 0.0 and w.queued_s == 0.0 and w.first_sent is None
 
 
-def test_the_rule_over_arrays_gives_the_same_floats_as_worker_by_worker():
-    """``queued_seconds_all`` (the simulator's ranking of hundreds of workers) is the scalar
-    rule element for element, to the bit: a ranking must not flip on rounding."""
+def test_the_board_applies_the_rule_to_every_worker_with_the_same_floats():
+    """``QueueBoard.busy`` (the simulator's ranking of hundreds of workers) is the scalar rule
+    element for element, to the bit: a ranking must not flip on rounding."""
     import numpy as np
 
-    from daskflow_kv.policy.queue_estimate import queued_seconds_all
+    from daskflow_kv.sim.worker import QueueBoard
 
     rng = random.Random(7)
     sent = [rng.choice([0.0, rng.uniform(0, 30)]) for _ in range(300)]
     first = [rng.choice([None, rng.uniform(0, 50)]) for _ in range(300)]
     planned = [rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(300)]
+    board = QueueBoard(300)
+    board.sent[:] = sent
+    board.first[:] = [np.nan if f is None else f for f in first]
     now = 41.3
-    got = queued_seconds_all(np.array(sent), np.array([np.nan if f is None else f for f in first]), now,
-                             np.array(planned))
+    got = board.busy(now, np.array(planned))
     assert got.tolist() == [queued_seconds(s, f, now, p) for s, f, p in zip(sent, first, planned)]
-    assert queued_seconds_all(np.array([8.0]), np.array([100.0]), 103.0).tolist() == [queued_seconds(8.0, 100.0, 103.0)]
+    assert board.busy(now).tolist() == [queued_seconds(s, f, now) for s, f in zip(sent, first)]
 
 
 def test_the_queue_board_ranks_as_a_sort_on_busy_then_load_then_index():

@@ -107,15 +107,6 @@ def test_only_the_headline_is_rendered_from_a_run_of_some_experiments(tmp_path):
     assert bench.read_text() == before
 
 
-def test_a_bench_run_of_some_experiments_rewrites_only_the_headline():
-    """``daskflow-kv bench --experiments 1,7 --readme README.md`` once replaced the full run's
-    results block in benchmarks/README.md with its two experiments."""
-    from daskflow_kv.bench.run import EXPERIMENTS
-
-    assert rb.blocks_for([1, 7], EXPERIMENTS) == rb.HEADLINE_MARKERS
-    assert rb.blocks_for(list(EXPERIMENTS), EXPERIMENTS) is None
-
-
 def test_a_readme_without_blocks_is_refused_before_the_run(tmp_path, capsys):
     plain = tmp_path / "README.md"
     plain.write_text("quotes `<!-- bench:results:start -->` and `<!-- bench:results:end -->` only\n")

@@ -57,12 +57,6 @@ def readme_files(readme) -> list[Path]:
     return files
 
 
-def blocks_for(experiments, every) -> tuple[str, str] | None:
-    """What a run of ``experiments`` (of ``every`` there are) may rewrite: every block, or only
-    the headline when it left some out - the full results block stays the full run's."""
-    return None if set(experiments) >= set(every) else HEADLINE_MARKERS
-
-
 def update_readmes(readme, doc: dict, summary: list[dict], json_path, summary_path, only=None) -> list[str]:
     """Rewrite every bench block of ``readme_files(readme)`` from this run; one line per file.
 

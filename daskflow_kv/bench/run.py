@@ -239,11 +239,10 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
         doc["files"] = [str(f) for f in files]
         log("wrote:\n  " + "\n  ".join(str(f) for f in files))
         if readme is not None and "error" not in doc:
-            from .readme_blocks import blocks_for, update_readmes
+            from .readme_blocks import update_readmes
 
             for line in update_readmes(readme, doc, doc["summary"], out_dir / f"bench_{tag}.json",
-                                       summary_path or out_dir / f"SUMMARY_{tag}.md",
-                                       blocks_for(cfg["experiments"], EXPERIMENTS)):
+                                       summary_path or out_dir / f"SUMMARY_{tag}.md"):
                 log(line)
     return doc
 

@@ -19,12 +19,3 @@ def queued_seconds(sent_s: float, first_sent_at: float | None, now: float, plann
         return planned_s
     return max(0.0, sent_s - (now - first_sent_at)) + planned_s
 
-
-def queued_seconds_all(sent_s, first_sent_at, now: float, planned_s=0.0):
-    """``queued_seconds`` over arrays of workers at once (numpy; ``first_sent_at`` NaN: none
-    sent), element for element the same floats: the simulator ranks hundreds of workers per
-    plan, and one call per worker was a third of a 512-worker run."""
-    import numpy as np
-
-    sent = np.maximum(0.0, sent_s - (now - first_sent_at))
-    return np.where(np.isnan(first_sent_at), 0.0, sent) + planned_s

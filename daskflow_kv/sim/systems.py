@@ -31,7 +31,6 @@ import numpy as np
 from ..policy.admission import ADMIT, FAIL, admit
 from ..policy.cluster_view import CachedBlock, ClusterView, PrefixMatch, WorkerLoad
 from ..policy.placement import batch_seconds, held_prefix, materialize_policy, plan_placements
-from ..policy.queue_estimate import queued_seconds_all
 from .blocks import LRUCache, Directory, Held, Ledger, chain, common_prefix
 from .loop import EventLoop
 from .worker import ModeledWorker, QueueBoard, Request
@@ -394,8 +393,7 @@ class DaskflowSystem(System):
         return w.busy_s() + (self.planned[w.idx] if self.count_planned else 0.0)
 
     def _busy_all(self):
-        b = self.board
-        return queued_seconds_all(b.sent, b.first, self.loop.now, np.asarray(self.planned) if self.count_planned else 0.0)
+        return self.board.busy(self.loop.now, np.asarray(self.planned) if self.count_planned else 0.0)
 
     def _match(self, blocks) -> PrefixMatch:
         out, n = [], 0
