@@ -47,7 +47,7 @@ def prefix_groups(calls) -> list[tuple[int, list]]:
 class _Flow:
     """A running workflow."""
 
-    __slots__ = ("wf", "levels", "level", "pending", "started", "done_at", "failed", "left")
+    __slots__ = ("wf", "levels", "level", "pending", "started", "done_at", "failed")
 
     def __init__(self, wf):
         self.wf = wf
@@ -57,7 +57,6 @@ class _Flow:
         self.started = math.nan  # virtual s it passed the gate (its arrival when there is none)
         self.done_at = math.nan  # virtual s it finished
         self.failed = None  # why it failed, if it did
-        self.left = False  # done or failed: its place at the gate is given back
 
 
 class System:
@@ -112,7 +111,8 @@ class System:
         f.level += 1
         if f.level >= len(f.levels) or f.failed:
             f.done_at = self.loop.now
-            self._leave(f)
+            if not f.failed:  # a failed one left when it failed
+                self._leave(f)
             return
         calls = f.levels[f.level]
         f.pending = len(calls)
@@ -120,9 +120,6 @@ class System:
 
     def _leave(self, f: _Flow) -> None:
         """``f`` is done or failed: its place goes to the next workflow waiting at the gate."""
-        if f.left:
-            return
-        f.left = True
         self.running_flows -= 1
         if self.gated:
             self._arrive(self.gated.popleft())
@@ -561,8 +558,9 @@ class DaskflowSystem(System):
             a = admit(need, lg.held, lg.reserved, self.budget, lg.usage(), self.loop.now, busy=True, worker=w.name)
             if a.action != ADMIT:
                 if a.action == FAIL or self.admitted[w.idx] == 0:  # nothing running here can free room
-                    f.failed = a.reason
-                    self._leave(f)  # its other calls never finish: it leaves now
+                    if not f.failed:  # its other calls never finish: it leaves now
+                        f.failed = a.reason
+                        self._leave(f)
                     self.failed += 1
                     for k, _, _ in new_blocks:  # never made here: whoever waits for them goes on
                         if self.pending.get(k, (None,))[0] == w.idx:
