@@ -92,4 +92,17 @@ def test_every_request_finishes_and_fairly():
                                                   max_running=4, decode=6)
     assert set(finished) == set(range(12))
     assert [joined[i] for i in range(12)] == sorted(joined[i] for i in range(12))
-    assert max(sizes) <= 128 + 0  # the budget binds (no single prompt here exceeds it after joining)
+    assert max(sizes) <= 128 + 128 // 8  # the budget binds, up to a prompt's last chunk's slack
+
+
+def test_a_prompt_nearly_done_ends_in_this_step():
+    """Seven decode rows leave 505 of 512 tokens: a 512-token prompt ends now (7 over the
+    budget) rather than in a step of its own for 7 tokens; a longer remainder is chunked."""
+    running = [Seq(i, float(i), 0, 600) for i in range(7)]
+    plan = plan_step(running, [Seq(7, 7.0, 512, 0)], step_tokens=512, max_running=8)
+    assert plan.fed(7) == 512 and plan.tokens == 519
+    plan = plan_step(running, [Seq(7, 7.0, 512 + 64, 0)], step_tokens=512, max_running=8)
+    assert plan.fed(7) == 505  # 71 tokens would be left: past the slack of 512 // 8
+    plan = plan_step(running, [Seq(7, 7.0, 512, 0)], step_tokens=512, max_running=8, finish_slack=0)
+    assert plan.fed(7) == 505
+    assert chunk(Seq(0, 0.0, 70, 0), 0, finish_slack=100) == 0  # no room: no chunk, slack or not

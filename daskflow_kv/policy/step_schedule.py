@@ -54,8 +54,9 @@ class StepPlan:
         return next((n for r, n in self.feeds if r == rid), 0)
 
 
-def chunk(seq: Seq, room: int) -> int:
-    """Tokens ``seq`` feeds in a step with ``room`` tokens left (0: it waits)."""
+def chunk(seq: Seq, room: int, finish_slack: int = 0) -> int:
+    """Tokens ``seq`` feeds in a step with ``room`` tokens left (0: it waits); a prompt that
+    would be left with at most ``finish_slack`` tokens (of a non-empty chunk) is fed whole."""
     if seq.decoding:
         return 1
     if seq.align:
@@ -63,14 +64,19 @@ def chunk(seq: Seq, room: int) -> int:
         # shorter chunk would round differently from text mode (ModelRunner._prefill).
         piece = min(seq.to_prefill, (seq.position // seq.align + 1) * seq.align - seq.position)
         return piece if piece <= room else 0
+    if room > 0 and seq.to_prefill - room <= finish_slack:
+        return seq.to_prefill
     return min(seq.to_prefill, room)
 
 
-def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], step_tokens: int, max_running: int) -> StepPlan:
+def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], step_tokens: int, max_running: int,
+              finish_slack: int | None = None) -> StepPlan:
     """The next step for ``running`` requests plus those of ``waiting`` that may join.
 
     ``step_tokens``: the step's token budget (decode rows count one each);
-    ``max_running``: how many requests may hold a place in the running set at once.
+    ``max_running``: how many requests may hold a place in the running set at once;
+    ``finish_slack``: how far past the budget a prompt's last chunk may go (default
+    ``step_tokens // 8``).
     """
     if step_tokens < 1 or max_running < 1:
         raise ValueError(f"step_tokens and max_running must be >= 1, got {step_tokens}, {max_running}")
@@ -78,11 +84,12 @@ def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], step_tokens: int, 
     active = sorted([*running, *joined], key=lambda s: (s.arrived, s.rid))
     feeds: list[tuple[int, int]] = [(s.rid, 1) for s in active if s.decoding]
     room = step_tokens - len(feeds)
+    slack = step_tokens // 8 if finish_slack is None else finish_slack
     first = True
     for s in active:
         if s.decoding:
             continue
-        n = chunk(s, max(0, room))
+        n = chunk(s, max(0, room), slack)
         if n == 0 and first:  # the oldest prompt always advances, even past the budget
             n = chunk(s, s.to_prefill)
         first = False
