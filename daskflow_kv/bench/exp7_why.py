@@ -50,5 +50,24 @@ def why(dkv_runs: list[dict], local_runs: list[dict]) -> str:
     return facts + "The term is not prefill: queueing and per-task overhead (see mean TTFT)."
 
 
+def rebuild_reasons(decisions) -> dict:
+    """Why the planner chose each rebuild (``Decision``s with action "recompute"): per reason
+    and ``loaded`` flag, how many, the tokens they rebuilt and the median wait for the blocks
+    on their source against the destination's own queue - so a run says which rule rebuilt."""
+    out: dict[str, dict] = {}
+    for d in decisions:
+        if d.action != "recompute":
+            continue
+        row = out.setdefault(f"{d.reason} (loaded)" if d.loaded else d.reason,
+                             {"n": 0, "tokens": 0, "src_ready_s": [], "dst_wait_s": []})
+        row["n"] += 1
+        row["tokens"] += d.missing_tokens
+        row["src_ready_s"].append(d.src_ready)
+        row["dst_wait_s"].append(d.dst_wait)
+    for row in out.values():
+        row["src_ready_s"], row["dst_wait_s"] = median(row["src_ready_s"]), median(row["dst_wait_s"])
+    return out
+
+
 def _ops(t: dict) -> str:
     return ", ".join(f"{op} {n:.0f}" for op, n in t["by_op"].items()) or "no breakdown recorded"

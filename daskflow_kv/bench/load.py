@@ -34,6 +34,7 @@ from . import local_engine as le
 from . import process_load
 from . import systems as S
 from .common import Progress, log
+from .exp7_why import rebuild_reasons
 from .load_stream import build, doc_sequence, documents, schedule
 from .multiround import run_local_mode
 
@@ -211,6 +212,8 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     if budget is not None:
         rt.configure(kv_budget_bytes=budget)
     before = _counters(rt) if system == "dkv" else _local_evictions(b.client)
+    earlier = [d for x in benches for d in list(x.rt.decisions)]  # the planners' decisions so far, kept
+    seen = {id(d) for d in earlier}  # alive so that no new decision can take one of their ids
     load_before = process_load.snapshot(b.client)
     t0 = time.time()
     records = run_stream(benches, system, arrivals, texts, salt, max_new)
@@ -223,6 +226,8 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         rt.configure(unset_budget=True)
     delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
     row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget) | load
+    if system == "dkv":
+        row["rebuild_reasons"] = rebuild_reasons(d for x in benches for d in list(x.rt.decisions) if id(d) not in seen)
     if row["agree"] is False:
         log(f"  !! {system} outputs differ from text replay in exp7 {kind} at {rate:g}/min rep {rep}")
     if row["errors"]:
