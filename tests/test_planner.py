@@ -302,6 +302,20 @@ def test_skewed_load_explores_the_less_loaded_worker_and_moves_the_prefix():
     assert out[0].decision.loaded
 
 
+def test_a_worker_with_a_task_running_is_not_idle_whatever_its_predicted_queue():
+    """Predictions run short under load: a worker still stepping through its batch can show
+    no predicted seconds left. A rebuild there is not free compute: the prefix is fetched."""
+    ws = {A: WorkerLoad(1, 1, 0, 1.0), B: WorkerLoad(1, 2, 0, 0.0)}  # B: two tasks running, 0 s predicted
+    view = ClusterView(ws, {(A, B): 1e8, (B, A): 1e8}, {w: PrefillProfile(0.0, 0.01, 0.0) for w in ws})
+    assert view.loaded([A, B])
+    [p] = plan_placements(view, _match(cached=False), [64], 1, workers=[B])
+    assert p.action == "transfer" and p.decision.loaded
+    idle = ClusterView({**ws, B: WorkerLoad(1, 0, 0, 0.0)}, view.bandwidth, view.prefill)
+    assert not idle.loaded([A, B])
+    [p] = plan_placements(idle, _match(cached=False), [64], 1, workers=[B])
+    assert p.action == "recompute" and not p.decision.loaded  # truly idle: its compute is free
+
+
 def test_explain_names_the_load_term():
     from daskflow_kv.policy.cost_model import explain
 
