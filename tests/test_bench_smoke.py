@@ -101,10 +101,13 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
             assert r["ttft_invariant_ok"] is True and len(r["round_ttft_s"]) == r["levels"] == 4
         else:
             assert r["completed"] == r["workflows"] and r["completed_per_min"] > 0 and r["latency_p95_s"] > 0
-            # where the row's CPU went: every process spent some, the step loops ran forwards
+            # where the row's CPU went: the client and the workers spent some, the step loops ran
+            # forwards (one worker may idle: a tiny model's plans keep every branch with its blocks,
+            # and an idle worker's few ms of heartbeats round to 0.00 s on a fast host)
             assert len(r["cpu_s"]["workers"]) == len(r["step_busy_s"]) == 2
             assert r["cpu_s"]["client"] > 0 and r["cpu_s"]["scheduler"] is None  # LocalCluster: in-process
-            assert all(c > 0 for c in r["cpu_s"]["workers"].values()) and sum(r["step_busy_s"].values()) > 0
+            assert all(c >= 0 for c in r["cpu_s"]["workers"].values()) and sum(r["cpu_s"]["workers"].values()) > 0
+            assert sum(r["step_busy_s"].values()) > 0
     by = {(r["exp"], r["system"]): r for r in runs}
     for system in ("local", "dkv"):  # state crosses rounds: fewer tokens than text replay
         assert by[("exp6", system)]["tokens_prefilled"] < by[("exp6", "text")]["tokens_prefilled"]
