@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from daskflow_kv.model.lane_pool import MAX_STRETCH, ROUND, LanePool
+from daskflow_kv.model.lane_pool import FIRST_BYTES, FIRST_SLOTS, MAX_STRETCH, ROUND, LanePool
 
 
 class _Group:  # what the pool touches of a step_cache.Group
@@ -65,3 +65,19 @@ def test_place_gives_views_of_the_asked_length(n):
         pool.place(g, 7 + i)
     assert [g.ws[1][1].shape[2] for g in gs] == [7 + i for i in range(n)]
     assert len({g.slot for g in gs}) == n
+
+
+def test_a_new_pool_takes_its_first_slots_only_while_they_stay_small():
+    """Short workspaces: four slots at once, so the next lanes join without a copy. A long
+    one: only the slots that fit ``FIRST_BYTES``, at least its own (a lone resume over a long
+    prefix zeroed four workspaces, 778 MB for SmolLM2 at 4,096 tokens, to use one)."""
+    small = _pool()
+    small.place(_Group(), 10)
+    assert len(small.owners) == FIRST_SLOTS
+    big = LanePool(layers=30, kv_heads=3, head_dim=64, dtype=torch.float32, device="cpu")  # SmolLM2's K/V shape
+    g = _Group()
+    big.place(g, 4096 + 16)
+    assert len(big.owners) == 1 and big.nbytes <= FIRST_BYTES and g.ws[0][0].shape[2] == 4096 + 16
+    h = _Group()
+    big.place(h, 100)  # a second lane: the pool doubles, the first keeps its place
+    assert len(big.owners) == 2 and (g.slot, h.slot) == (0, 1)
