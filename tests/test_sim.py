@@ -416,7 +416,7 @@ def test_simulate_refuses_a_missing_or_wrong_input_file_or_a_gate_of_none_in_one
     (tmp_path / "broken.json").write_text("{not json")
     for argv in (["--step-cost", str(tmp_path / "empty.json")], ["--step-cost", str(tmp_path / "missing.json")],
                  ["--profile-from", str(tmp_path / "broken.json")], ["--trace", str(tmp_path / "missing.jsonl")],
-                 ["--workflow-gate", "0"]):
+                 ["--workflow-gate", "0"], ["--repeat-of", str(tmp_path / "missing.json")]):
         with pytest.raises(SystemExit) as e:
             main(["--workers", "2", "--out", str(tmp_path / "out"), *argv])
         assert e.value.code == 2
@@ -442,3 +442,56 @@ def test_a_workflow_gate_keeps_at_most_its_share_running_and_lets_them_in_by_arr
     order = sorted(flows, key=lambda f: (f.wf.at, f.wf.index))
     assert [f.started for f in order] == sorted(f.started for f in order)  # first come, first in
     assert run_system("daskflow-kv", prof, stream, 2, None, gate=1.5)["completed"] == len(stream)
+
+
+def _bench(path, rows, **config):
+    cfg = {"model": "smollm2", "workers": 2, "max_new_tokens": 16, "exp7_workflows": 16, "exp7_docs": 8,
+           "exp7_context": 1024, "exp7_budget_fraction": 0.25} | config
+    path.write_text(json.dumps({"config": cfg, "runs": [{"exp": "exp7", "rate": 60.0, **r} for r in rows]}))
+    return path
+
+
+def test_two_measurements_of_the_same_rows_are_compared_row_by_row(tmp_path):
+    """``--repeat-of``: rows pair by system, stream, rate and repetition (the same seeds);
+    rows only one run measured, failed ones and other experiments are left out."""
+    from daskflow_kv.sim import repeatability
+
+    one = {"completed_per_min": 20.0, "latency_p95_s": 40.0, "tokens_prefilled": 10_000,
+           "step_busy_s": {"w0": 30.0, "w1": 20.0}}
+    a = _bench(tmp_path / "a.json", [dict(one, system="local", stream="zipf", rep=0),
+                                     dict(one, system="dkv", stream="zipf", rep=0),
+                                     dict(one, system="dkv", stream="zipf", rep=1)])
+    b = _bench(tmp_path / "b.json", [dict(one, system="local", stream="zipf", rep=0, tokens_prefilled=11_500,
+                                          completed_per_min=18.0, step_busy_s={"w0": 33.0, "w1": 22.0}),
+                                     dict(one, system="dkv", stream="zipf", rep=0, tokens_prefilled=9_900),
+                                     dict(one, system="dkv", stream="zipf", rep=1, error="boom")])
+    rows = repeatability.compare(a, b)
+    assert [(r["system"], r["rep"]) for r in rows] == [("daskflow-kv", 0), ("local", 0)]
+    local = rows[1]
+    assert local["tokens_prefilled"]["difference"] == pytest.approx(0.15)
+    assert local["completed_per_min"]["difference"] == pytest.approx(-0.10)
+    assert local["step_busy_s"]["difference"] == pytest.approx(0.10)  # every worker's steps added up
+    by = {(s["system"], s["metric"]): s for s in repeatability.summary(rows)}
+    assert by[("local", "tokens_prefilled")]["within"] == 0 and by[("daskflow-kv", "tokens_prefilled")]["within"] == 1
+    assert by[("daskflow-kv", "tokens_prefilled")]["mean_abs"] == pytest.approx(0.01)
+    other = _bench(tmp_path / "c.json", [], exp7_docs=4)
+    with pytest.raises(ValueError, match="exp7_docs differ"):
+        repeatability.compare(a, other)
+
+
+def test_simulate_reports_the_measured_run_to_run_difference_beside_the_fidelity(tmp_path):
+    from daskflow_kv.sim.cli import main
+
+    first = Path("benchmarks/results/bench_headline.json")
+    data = json.loads(first.read_text())
+    row = next(r for r in data["runs"] if r.get("exp") == "exp7" and r["system"] == "local")
+    row["tokens_prefilled"] = round(row["tokens_prefilled"] * 1.25)  # the second run prefilled a quarter more
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps(data))
+    out = tmp_path / "sim"
+    assert main(["--profile-from", str(first), "--repeat-of", str(second), "--workers", "2", "--streams", "uniform",
+                 "--systems", "text", "--no-fidelity", "--out", str(out)]) == 0
+    rep = json.loads(out.with_suffix(".json").read_text())["repeatability"]
+    diffs = [r["tokens_prefilled"]["difference"] for r in rep["rows"]]
+    assert len(rep["rows"]) == 18 and sorted(diffs)[-1] == pytest.approx(0.25, abs=1e-4) and diffs.count(0.0) == 17
+    assert "## Measured run to run" in out.with_suffix(".md").read_text()

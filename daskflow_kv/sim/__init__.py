@@ -13,6 +13,7 @@ hardware preset from public figures). One concept per file:
 ``loop``       the event loop (a heap of timed callbacks);
 ``systems``    daskflow-kv, ``local`` and text replay, as schedulers over modeled workers;
 ``report``     runs, metrics, the fidelity check and the JSON / markdown tables;
+``repeatability`` two measurements of the same exp 7 rows side by side (the check's noise floor);
 ``plot``       the grid's figure (daskflow-kv / local throughput against workers).
 
 Nothing here imports torch or distributed; exp 7's generator (``bench.load_stream``) is

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import repeatability
 from .plot import plot_ratios
 from .profile import PRESETS, fitted_profile, preset_profile
 from .report import STREAMS, fidelity, fidelity_summary, markdown, ratios, run_system, simulate_grid
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
     p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
     p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
+    p.add_argument("--repeat-of", metavar="BENCH_JSON",
+                   help="a second measurement of the same exp 7 rows (same config and seeds): report how far the "
+                        "two lie apart, the noise floor of the per-row fidelity check")
     p.add_argument("--speed", action="store_true", help="also time 512 workers x 10,000 workflows (daskflow-kv)")
     p.add_argument("--out", default="benchmarks/results/simulation",
                    help="output stem: .json, .md and (several worker counts) .png (default %(default)s)")
@@ -55,6 +59,7 @@ def main(argv=None) -> int:
         if args.step_cost:
             profile = profile.with_step_costs(args.step_cost)
         wfs = read_trace(args.trace) if args.trace else None
+        repeat = repeatability.compare(args.profile_from, args.repeat_of) if args.repeat_of else None
     except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         parser.error(" ".join(str(e).split()))
     if args.workflow_gate is not None and not args.workflow_gate > 0:
@@ -81,6 +86,9 @@ def main(argv=None) -> int:
     if not args.no_fidelity and not args.hardware and Path(args.profile_from).exists():
         result["fidelity"] = fidelity(args.profile_from, profile)
         result["fidelity_summary"] = fidelity_summary(result["fidelity"])
+    if repeat is not None:
+        result["repeatability"] = {"first": args.profile_from, "second": args.repeat_of, "rows": repeat,
+                                   "summary": repeatability.summary(repeat)}
     if args.speed:
         wfs = exp7_stream(10_000, 18.0 * 512, 1024, "zipf")
         from .report import exp7_budget

@@ -245,6 +245,17 @@ def markdown(result: dict) -> str:
                              f"{m} | {_f(x['measured'])} | "
                              f"{_f(x['simulated'])} | {err} |")
         lines.append("")
+    rep = result.get("repeatability")
+    if rep:
+        lines += ["## Measured run to run (the noise floor of the fidelity check)", "",
+                  f"The same exp 7 rows measured twice (same stream seeds): `{rep['first']}` and `{rep['second']}`. "
+                  "Difference: (second - first) / first.", "",
+                  "| system | metric | difference min | max | mean | mean abs | within ±10 % |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in rep["summary"]:
+            lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
+                         f"{100 * x['mean']:+.0f} % | {100 * x['mean_abs']:.0f} % | {x['within']}/{x['rows']} |")
+        lines.append("")
     lines += ["## Throughput and p95 latency vs workers (MODELED)", "",
               "| workers | stream | system | workflows | completed/min | p95 latency s | tokens prefilled | transfers | "
               "evictions | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
