@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     write_json(args.out, {"command": command_line(), "machine": machine_info(), **out})
     log(f"wrote {args.out}: {out['completed']}/{out['workflows']} exact (wrong {out['wrong']}, hung {out['hung']}); "
         f"working set {out['working_set_over_limit']:.2f}x the limit, peak spilled "
-        f"{out['peak_spilled_disk_bytes'] / 2**20:.0f} MiB, {out['pause_episodes']} pauses")
+        f"{out['peak_spilled_disk_bytes'] / 2**20:.0f} MiB ({out['spilled_disk_bytes_total'] / 2**20:.0f} MiB written "
+        f"over the run), {out['pause_episodes']} pauses")
     return 0 if out["completed"] == out["workflows"] and not out["wrong"] else 1
 
 

@@ -461,6 +461,18 @@ def in_memory(worker):
     return getattr(worker.data, "fast", worker.data)
 
 
+def bytes_spilled_to_disk(worker) -> int:
+    """Bytes the worker's SpillBuffer has written to disk since it started, all keys together
+    (0 without spilling).
+
+    The buffer's cumulative metrics count a spill that was read back and released before
+    anyone looked: the heartbeat's ``spilled_bytes`` is only what sits on disk at that
+    moment, and a short run can spill and unspill between two.
+    """
+    metrics = getattr(worker.data, "cumulative_metrics", None) or {}
+    return int(metrics.get(("disk-write", "bytes"), 0))
+
+
 def spilled_keys(worker) -> list:
     """Keys the worker's SpillBuffer holds on disk (its ``slow`` part); [] without spilling.
 

@@ -336,8 +336,14 @@ def test_spilled_keys_lists_what_the_spill_buffer_holds_on_disk(client, workers)
                 break
         return "internals-spillme" in di.spilled_keys(dask_worker), "internals-spillme" in di.in_memory(dask_worker)
 
+    def written(dask_worker):
+        return di.bytes_spilled_to_disk(dask_worker)
+
+    before = client.run(written, workers=[a])[a]
     assert client.run(spill, workers=[a])[a] == (True, False)
     assert float(x.result(timeout=10).sum()) == 1 << 16  # read back from disk
+    del x  # gone from disk too: the cumulative count keeps it
+    assert client.run(written, workers=[a])[a] - before >= 8 << 16
 
 
 def test_call_scheduler_reaches_a_plugin_handler(client, workers):

@@ -11,7 +11,9 @@ def test_kv_spilled_to_disk_as_it_is_made_stays_exact_and_nothing_hangs():
                               thresholds={"target": 0.4, "spill": 0.5}, hang_s=240, log=lambda *a: None)
     assert not out["hung"] and out["completed"] == 4, out["errors"]
     assert out["wrong"] == 0
-    assert out["peak_spilled_disk_bytes"] > 0  # Dask really spilled KV blocks
+    # Dask really spilled KV blocks (counted as written: a spill read back between two samples
+    # of what sits on disk was missed by the samples on a fast host)
+    assert out["spilled_disk_bytes_total"] > 0
 
 
 def test_a_paused_worker_gives_freed_heap_back_to_the_os():

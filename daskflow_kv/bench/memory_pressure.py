@@ -44,6 +44,12 @@ def baseline_rss(model: str, workers: int = 2) -> int:
         return max(client.run(_worker_rss).values())
 
 
+def _spilled_total(dask_worker) -> int:
+    from ..dask_internals import bytes_spilled_to_disk
+
+    return bytes_spilled_to_disk(dask_worker)
+
+
 def _sample(dask_scheduler) -> dict:
     out = {}
     for addr, ws in dask_scheduler.workers.items():
@@ -122,6 +128,7 @@ def run_memory_pressure(model: str = "smollm2", workflows: int = 16, docs: int =
         done = [i for i, r in records.items() if "error" not in r]
         ref = {i: _tokens(_run(rt, flows[i], "text")) for i in done} if not hung else {}
         tiers = rt.counters()["counters"]
+        spilled_total = sum(client.run(_spilled_total).values())
     ok = {i: records[i] for i in done}
     pauses = 0  # a worker's transitions into "paused", sample to sample
     for addr in {a for s in samples for a in s["workers"]}:
@@ -139,6 +146,7 @@ def run_memory_pressure(model: str = "smollm2", workflows: int = 16, docs: int =
         "peak_rss_over_limit": max((w["rss"] / limit for s in samples for w in s["workers"].values()), default=0.0),
         "peak_spilled_disk_bytes": max((sum(w["spilled_disk"] for w in s["workers"].values()) for s in samples),
                                        default=0),
+        "spilled_disk_bytes_total": spilled_total,  # written to disk over the run, read back or not
         "pause_episodes": pauses,
         "paused_samples": sum(1 for s in samples for w in s["workers"].values() if w["status"] == "paused"),
         "samples": len(samples),
