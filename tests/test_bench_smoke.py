@@ -301,7 +301,6 @@ def test_exp7_why_names_rebuilt_copies_when_they_dominate_and_imbalance_otherwis
     assert "not prefill" in why(even, local) and why([], local) == ""
 
 
-
 def test_rebuild_reasons_counts_each_rule_that_rebuilt():
     from daskflow_kv.bench.exp7_why import rebuild_reasons
     from daskflow_kv.policy.cost_model import Decision
@@ -313,6 +312,7 @@ def test_rebuild_reasons_counts_each_rule_that_rebuilt():
                            d("recompute", "sooner", False, 100, 2.0), d("transfer", "cheap", True, 512, 0.0)])
     assert out == {"late (loaded)": {"n": 2, "tokens": 768, "src_ready_s": 6.0, "dst_wait_s": 0.5},
                    "sooner": {"n": 1, "tokens": 100, "src_ready_s": 2.0, "dst_wait_s": 0.5}}
+
 
 def test_process_load_delta_counts_a_restarted_worker_from_its_new_start():
     from daskflow_kv.bench.process_load import delta

@@ -13,38 +13,28 @@ returns one number per row can be within that tolerance of both.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-from .report import BENCH_NAMES, METRICS
+from .report import BENCH_NAMES, METRICS, measured_totals, spread
 
 CONFIG = ("model", "workers", "max_new_tokens", "exp7_workflows", "exp7_docs", "exp7_context", "exp7_budget_fraction")
 
 
-def _rows(path: str | Path) -> dict[tuple, dict]:
-    data = json.loads(Path(path).read_text())
-    out = {}
-    for r in data.get("runs", []):
-        if r.get("exp") == "exp7" and "error" not in r:
-            busy = r.get("step_busy_s")
-            row = dict(r, step_busy_s=sum(busy.values()) if isinstance(busy, dict) and busy else None)
-            out[(BENCH_NAMES.get(r["system"], r["system"]), r.get("stream", "uniform"), float(r["rate"]),
-                 int(r.get("rep", 0)))] = row
-    return out
-
-
-def _same_config(a: str | Path, b: str | Path) -> None:
-    ca, cb = (json.loads(Path(p).read_text()).get("config") or {} for p in (a, b))
-    differ = [k for k in CONFIG if ca.get(k) != cb.get(k)]
-    if differ:
-        raise ValueError(f"{a} and {b} measured different exp 7 streams ({', '.join(differ)} differ)")
+def _rows(data: dict) -> dict[tuple, dict]:
+    """A bench JSON's exp 7 rows that ran, by (system, stream, rate, repetition)."""
+    return {(BENCH_NAMES.get(r["system"], r["system"]), r.get("stream", "uniform"), float(r["rate"]),
+             int(r.get("rep", 0))): measured_totals(r)
+            for r in data.get("runs", []) if r.get("exp") == "exp7" and "error" not in r}
 
 
 def compare(first: str | Path, second: str | Path) -> list[dict]:
     """Every exp 7 row both runs measured: each metric's value in both and the relative
     difference ``(second - first) / first``."""
-    _same_config(first, second)
-    a, b = _rows(first), _rows(second)
+    da, db = (json.loads(Path(p).read_text()) for p in (first, second))
+    differ = [k for k in CONFIG if (da.get("config") or {}).get(k) != (db.get("config") or {}).get(k)]
+    if differ:
+        raise ValueError(f"{first} and {second} measured different exp 7 streams ({', '.join(differ)} differ)")
+    a, b = _rows(da), _rows(db)
     out = []
     for key in sorted(a.keys() & b.keys()):
         system, stream, rate, rep = key
@@ -57,14 +47,11 @@ def compare(first: str | Path, second: str | Path) -> list[dict]:
 
 
 def summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
-    """Per system and metric: the smallest, largest and mean difference, the mean absolute
-    one, and how many rows lie within ``tolerance`` of each other."""
+    """Per system and metric: the ``spread`` of the differences over the rows."""
     out = []
     for system in sorted({r["system"] for r in rows}):
         for m in METRICS:
             d = [r[m]["difference"] for r in rows if r["system"] == system and r[m]["difference"] is not None]
             if d:
-                out.append({"system": system, "metric": m, "min": min(d), "max": max(d), "mean": statistics.fmean(d),
-                            "mean_abs": statistics.fmean(abs(x) for x in d),
-                            "within": sum(abs(x) <= tolerance for x in d), "rows": len(d), "tolerance": tolerance})
+                out.append({"system": system, "metric": m} | spread(d, tolerance))
     return out

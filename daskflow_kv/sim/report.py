@@ -131,7 +131,7 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                # how evenly the work fell: each worker's step seconds, busiest first
                "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
                                   "simulated": sorted(sim["step_busy_by_worker"] or (), reverse=True)}}
-        measured = dict(r, step_busy_s=sum((r.get("step_busy_s") or {}).values()) or None)
+        measured = measured_totals(r)
         # A diagnostic, not the check: the same replay with its steps priced at the speed the
         # host ran during the row (measured on the row's own steps, so in-sample for speed):
         # what is left of the error is the work and its scheduling, not the host's drift.
@@ -150,9 +150,21 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
     return out
 
 
+def measured_totals(row: dict) -> dict:
+    """A measured exp 7 row with ``step_busy_s`` summed over its workers (None: not recorded)."""
+    return dict(row, step_busy_s=sum((row.get("step_busy_s") or {}).values()) or None)
+
+
+def spread(values: list[float], tolerance: float) -> dict:
+    """The smallest, largest, mean and mean absolute of relative errors or differences, and
+    how many lie within ``tolerance``."""
+    return {"min": min(values), "max": max(values), "mean": statistics.fmean(values),
+            "mean_abs": statistics.fmean(abs(v) for v in values),
+            "within": sum(abs(v) <= tolerance for v in values), "rows": len(values), "tolerance": tolerance}
+
+
 def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
-    """Per system and metric: the smallest, largest and mean relative error over the
-    replayed rows, and how many lie within ``tolerance``."""
+    """Per system and metric: the ``spread`` of the relative errors over the replayed rows."""
     out = []
     for system in sorted({r["system"] for r in rows}):
         for m, key in [(m, "error") for m in METRICS] + [(f"{m} at the row's host speed", "error_at_row_speed")
@@ -161,9 +173,7 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
             errs = [r[base][key] for r in rows
                     if r["system"] == system and base in r and r[base].get(key) is not None]
             if errs:
-                out.append({"system": system, "metric": m, "min": min(errs), "max": max(errs),
-                            "mean": statistics.fmean(errs), "within": sum(abs(e) <= tolerance for e in errs),
-                            "rows": len(errs), "tolerance": tolerance})
+                out.append({"system": system, "metric": m} | spread(errs, tolerance))
     return out
 
 
