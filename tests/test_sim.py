@@ -477,6 +477,8 @@ def test_two_measurements_of_the_same_rows_are_compared_row_by_row(tmp_path):
     other = _bench(tmp_path / "c.json", [], exp7_docs=4)
     with pytest.raises(ValueError, match="exp7_docs differ"):
         repeatability.compare(a, other)
+    with pytest.raises(ValueError, match="no exp 7 row in common"):
+        repeatability.compare(a, _bench(tmp_path / "d.json", [dict(one, system="dkv", stream="uniform", rep=0)]))
 
 
 def test_simulate_reports_the_measured_run_to_run_difference_beside_the_fidelity(tmp_path):

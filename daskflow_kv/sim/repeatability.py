@@ -35,6 +35,8 @@ def compare(first: str | Path, second: str | Path) -> list[dict]:
     if differ:
         raise ValueError(f"{first} and {second} measured different exp 7 streams ({', '.join(differ)} differ)")
     a, b = _rows(da), _rows(db)
+    if not a.keys() & b.keys():
+        raise ValueError(f"{first} and {second} have no exp 7 row in common (system, stream, rate and repetition)")
     out = []
     for key in sorted(a.keys() & b.keys()):
         system, stream, rate, rep = key
