@@ -1,6 +1,7 @@
 """Continuous batching on one worker: throughput of a burst, and a newcomer's time to first token.
 
-One Dask worker (one thread), SmolLM2-135M fp32 by default. Eight single-agent requests,
+One Dask worker (one task thread; torch on the host's cores, ``runtime.torch_threads``),
+SmolLM2-135M fp32 by default. Eight single-agent requests,
 each its own document (different 512-token prompts, no prefix in common), each decoding
 ``--max-new-tokens`` tokens:
 
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
 
     from distributed import Client
 
+    from daskflow_kv.runtime import torch_threads
     from daskflow_kv.runtime.cluster import local_cluster
     from daskflow_kv.runtime.kv_runtime import KVRuntime
 
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
         rt = KVRuntime(client, args.model)
         prompts = _prompts(rt, REQUESTS, args.prompt_tokens)
         _run(rt, prompts[0][:32], 2, 0).result()  # load the model on the worker
+        [worker_threads] = client.run(torch_threads.of_a_new_thread).values()
         reps = []
         for rep in range(args.reps):
             seq = sequential(rt, prompts, args.max_new_tokens)
@@ -165,9 +168,9 @@ def main(argv=None) -> int:
                     "newcomer TTFT <= prefill + 2 steps": all(r["newcomer"]["within_bound"] for r in reps)},
     }
     doc = {"command": command_line("python benchmarks/continuous_batching.py", argv), "machine": machine_info(),
-           "model": args.model, "requests": REQUESTS, "prompt_tokens": args.prompt_tokens,
-           "max_new_tokens": args.max_new_tokens, "window_s": args.window, "reps": reps, "summary": summary,
-           "minutes": (time.time() - t_start) / 60}
+           "worker_torch_threads": worker_threads, "model": args.model, "requests": REQUESTS,
+           "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens, "window_s": args.window,
+           "reps": reps, "summary": summary, "minutes": (time.time() - t_start) / 60}
     write_json(args.out, doc)
     log(f"wrote {args.out}: speedup {summary['speedup_median']:.2f}x (min {summary['speedup_min']:.2f}), newcomer "
         f"TTFT/bound {summary['newcomer_ttft_over_bound_median']:.2f}, agree={summary['all_agree']}")

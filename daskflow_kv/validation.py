@@ -150,8 +150,9 @@ def block_size(name: str, value) -> int:
     return integer(name, value, minimum=1)
 
 
-def parallelism(name: str, value) -> str | int:
-    """Workers one prefill is split over: ``"auto"`` (the planner chooses) or an integer >= 1."""
+def auto_or_count(name: str, value) -> str | int:
+    """``"auto"`` (daskflow-kv chooses) or an integer >= 1: the workers one prefill is split
+    over (``parallelism``), a worker's torch threads (``cluster.torch-threads``)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if isinstance(value, str) and value.strip().isdigit():
@@ -159,6 +160,9 @@ def parallelism(name: str, value) -> str | int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         _fail(name, '"auto" or an integer >= 1', value)
     return value
+
+
+parallelism = auto_or_count  # workers one prefill is split over
 
 
 def max_new_tokens(name: str, value) -> int:

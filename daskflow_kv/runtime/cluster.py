@@ -20,6 +20,7 @@ import shlex
 from collections.abc import Iterator
 
 import dask
+from dask.system import CPU_COUNT
 
 from .. import config, validation
 from .main_guard import check_main_guard
@@ -35,6 +36,9 @@ from .preloads import (  # noqa: F401  -- part of this module's interface
     kv_dask_config,
     scheduler_options,
 )
+from .torch_threads import SETTING as TORCH_THREADS
+from .torch_threads import setting as torch_threads_setting
+from .torch_threads import split_cores
 
 
 def local_cluster(
@@ -44,13 +48,16 @@ def local_cluster(
     dashboard_address: str | None = ":0",
     kv_budget: str | int | None = None,
     security=None,
+    torch_threads: int | str | None = None,
     **kwargs,
 ):
     """A LocalCluster of worker processes over TCP, KV plugin preloaded, AMM made KV-safe.
 
     ``security``: a ``distributed.Security`` (e.g. ``Security.temporary()`` or one built from
     certificate files): then every connection - client, scheduler, workers - is TLS.
-    ``kv_budget``: per-worker KV bytes (e.g. "512MiB"). Arguments left None come from
+    ``kv_budget``: per-worker KV bytes (e.g. "512MiB"). ``torch_threads``: each worker's
+    torch threads, ``"auto"``: the host's cores split over the workers (``torch_threads``
+    says why). Arguments left None come from
     ``dask.config["daskflow-kv"]`` (``cluster.workers``, ``cluster.memory-limit``, ``kv-budget``,
     ...). Extra keyword arguments go to ``distributed.LocalCluster``.
     """
@@ -66,7 +73,10 @@ def local_cluster(
         validation.byte_size("memory_limit", memory_limit)
     if kv_budget is not None:
         validation.byte_size("kv_budget", kv_budget, minimum=0)
-    with dask.config.set(kv_dask_config()):
+    threads = torch_threads_setting(torch_threads)
+    if threads == "auto":  # the workers split this host's cores (their nannies keep this config)
+        threads = split_cores(CPU_COUNT, n_workers)
+    with dask.config.set({**kv_dask_config(), f"daskflow-kv.{TORCH_THREADS}": threads}):
         return LocalCluster(
             n_workers=n_workers,
             threads_per_worker=threads,

@@ -32,7 +32,7 @@ from ..model.step_engine import StepRequest
 from ..model.sampling import GREEDY, SamplingParams
 from ..transport.serialization import register_torch_serialization, sizeof_torch_tensor
 from ..store.worker_io import WriteRequest, persist
-from . import step_worker
+from . import step_worker, torch_threads
 
 register_torch_serialization()  # workers unpickle this module before any block arrives
 
@@ -151,6 +151,8 @@ def _runner(spec: ModelSpec) -> ModelRunner:
 
 def get_runner(spec: ModelSpec) -> ModelRunner:
     with _LOAD_LOCK:  # one load per process even when several worker threads ask at once
+        if not _runner.cache_info().currsize:  # the first model here: torch gets the worker's cores
+            torch_threads.apply()
         return _runner(spec)
 
 
