@@ -497,3 +497,62 @@ def test_simulate_reports_the_measured_run_to_run_difference_beside_the_fidelity
     diffs = [r["tokens_prefilled"]["difference"] for r in rep["rows"]]
     assert len(rep["rows"]) == 18 and sorted(diffs)[-1] == pytest.approx(0.25, abs=1e-4) and diffs.count(0.0) == 17
     assert "## Measured run to run" in out.with_suffix(".md").read_text()
+
+
+def test_a_noisy_profile_scatters_each_steps_time_around_its_price_and_repeats_by_seed():
+    """``SimProfile.noisy``: the scatter the measured steps show around the step-cost fit,
+    drawn per step; the same seed draws the same run, the mean step keeps its price."""
+    run = "benchmarks/results/bench_exp7_fit.json"
+    prof = fitted_profile(run).with_step_costs(run)
+    assert 0.0 < prof.step_scatter < 1.0 and prof.step_noise == 0.0
+    wfs = exp7_stream(16, 60.0, 8, "zipf")
+    exact = run_system("local", prof, wfs, 2)
+    a, b, c = (run_system("local", prof.noisy(seed), wfs, 2) for seed in (1, 1, 2))
+    assert run_system("local", prof, wfs, 2)["step_busy_s"] == exact["step_busy_s"]  # no noise: the price
+    assert a["step_busy_s"] == b["step_busy_s"] != c["step_busy_s"]
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    factors = np.array([worker.scatter(rng, prof.step_scatter) for _ in range(20_000)])
+    assert factors.mean() == pytest.approx(1.0, abs=0.01) and np.log(factors).std() == pytest.approx(
+        prof.step_scatter, rel=0.03)
+
+
+def test_the_draws_of_a_row_are_held_against_every_measurement_of_it(tmp_path):
+    """``--draws``: each measured row replayed with step noise; its measured values (this run
+    and the same row of the other runs given) against the modeled range and median."""
+    from daskflow_kv.sim import ensemble
+
+    run = "benchmarks/results/bench_exp7_fit.json"
+    prof = fitted_profile(run).with_step_costs(run)
+    data = json.loads(Path(run).read_text())
+    for r in data["runs"]:
+        if r.get("exp") == "exp7" and r["system"] == "local":
+            r["tokens_prefilled"] = round(r["tokens_prefilled"] * 3)  # far outside anything modeled
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    rows = ensemble.replay(run, prof, 3, systems=("local",), also=[other])
+    assert rows and all(r["system"] == "local" and r["draws"] == 3 and r["measurements"] == 2 for r in rows)
+    for r in rows:
+        t = r["tokens_prefilled"]
+        assert t["modeled_min"] <= t["modeled_median"] <= t["modeled_max"] and len(t["measured"]) == 2
+        assert t["covered"] <= 1  # the tripled measurement lies outside every draw
+    [tokens] = [s for s in ensemble.summary(rows) if s["metric"] == "tokens_prefilled"]
+    assert tokens["measured"] == 2 * len(rows) and tokens["covered"] <= len(rows)
+    with pytest.raises(ValueError, match="at least 2"):
+        ensemble.replay(run, prof, 1)
+
+
+def test_simulate_refuses_draws_it_cannot_take_in_one_line(tmp_path, capsys):
+    from daskflow_kv.sim.cli import main
+
+    run = "benchmarks/results/bench_exp7_fit.json"
+    elsewhere = str(_bench(tmp_path / "four_docs.json", [], exp7_docs=4))
+    for argv in (["--draws", "5"],  # no step costs from a bench JSON: no measured scatter
+                 ["--draws-against", run],  # without --draws
+                 ["--profile-from", run, "--step-cost", run, "--draws", "5", "--draws-against", elsewhere]):
+        with pytest.raises(SystemExit) as e:
+            main(["--workers", "2", "--out", str(tmp_path / "out"), *argv])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith("daskflow-kv simulate: error: ")
+    assert not list(tmp_path.glob("out*"))

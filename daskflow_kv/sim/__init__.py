@@ -14,6 +14,7 @@ hardware preset from public figures). One concept per file:
 ``systems``    daskflow-kv, ``local`` and text replay, as schedulers over modeled workers;
 ``report``     runs, metrics, the fidelity check and the JSON / markdown tables;
 ``repeatability`` two measurements of the same exp 7 rows side by side (the check's noise floor);
+``ensemble``   each row replayed many times with measured step scatter, against every measurement of it;
 ``plot``       the grid's figure (daskflow-kv / local throughput against workers).
 
 Nothing here imports torch or distributed; exp 7's generator (``bench.load_stream``) is

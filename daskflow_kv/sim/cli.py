@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import repeatability
+from . import ensemble, repeatability
 from .plot import plot_ratios
 from .profile import PRESETS, fitted_profile, preset_profile
 from .report import STREAMS, fidelity, fidelity_summary, markdown, ratios, run_system, simulate_grid
@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-of", metavar="BENCH_JSON",
                    help="a second measurement of the same exp 7 rows (same config and seeds): report how far the "
                         "two lie apart, the noise floor of the per-row fidelity check")
+    p.add_argument("--draws", type=int, default=0, metavar="K",
+                   help="also replay each measured exp 7 row K times, every step's time drawn around its price as "
+                        "scattered as the measured steps (needs --step-cost from a bench JSON): the model's spread "
+                        "beside the measured one (default: no draws)")
+    p.add_argument("--draws-against", nargs="+", default=[], metavar="BENCH_JSON",
+                   help="more measurements of the same exp 7 rows (same config and seeds) the draws are held against")
     p.add_argument("--speed", action="store_true", help="also time 512 workers x 10,000 workflows (daskflow-kv)")
     p.add_argument("--out", default="benchmarks/results/simulation",
                    help="output stem: .json, .md and (several worker counts) .png (default %(default)s)")
@@ -60,8 +66,15 @@ def main(argv=None) -> int:
             profile = profile.with_step_costs(args.step_cost)
         wfs = read_trace(args.trace) if args.trace else None
         repeat = repeatability.compare(args.profile_from, args.repeat_of) if args.repeat_of else None
+        for other in args.draws_against:  # the same rows, or refused here in one line
+            repeatability.compare(args.profile_from, other)
     except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         parser.error(" ".join(str(e).split()))
+    if args.draws and (args.draws < 2 or not profile.step_scatter):
+        parser.error(f"--draws {args.draws}: give 2 or more, with --step-cost from a bench JSON whose exp 7 rows "
+                     "recorded their steps (the scatter the draws take)")
+    if args.draws_against and not args.draws:
+        parser.error("--draws-against needs --draws")
     if args.workflow_gate is not None and not args.workflow_gate > 0:
         parser.error(f"--workflow-gate {args.workflow_gate}: give running workflows per worker, more than 0")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -86,6 +99,10 @@ def main(argv=None) -> int:
     if not args.no_fidelity and not args.hardware and Path(args.profile_from).exists():
         result["fidelity"] = fidelity(args.profile_from, profile)
         result["fidelity_summary"] = fidelity_summary(result["fidelity"])
+    if args.draws and not args.no_fidelity:
+        rows = ensemble.replay(args.profile_from, profile, args.draws, args.systems, args.draws_against)
+        result["ensemble"] = {"draws": args.draws, "against": [args.profile_from, *args.draws_against],
+                              "rows": rows, "summary": ensemble.summary(rows)}
     if repeat is not None:
         result["repeatability"] = {"first": args.profile_from, "second": args.repeat_of, "rows": repeat,
                                    "summary": repeatability.summary(repeat)}

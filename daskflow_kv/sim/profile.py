@@ -49,6 +49,12 @@ class SimProfile:
     # the bench JSON whose Dask workers' steps the step costs were fitted on: they already carry
     # what the host's clients and scheduler took, so ``slowed`` leaves them (None: a lone engine's)
     step_costs_from: str | None = None
+    # how far measured steps scatter around the step costs' price (the fit's RMS relative
+    # residual; 0: not measured), and the scatter each modeled step draws from (0: none, the
+    # default: every step costs its price) with the seed of its draws (``noisy``, ``sim.ensemble``)
+    step_scatter: float = 0.0
+    step_noise: float = 0.0
+    noise_seed: int = 0
 
     def worker_prefill(self, i: int) -> PrefillProfile:
         return self.prefill[i % len(self.prefill)]
@@ -73,6 +79,11 @@ class SimProfile:
         return replace(self, prefill=prefill, decode=decode, step_costs=costs,
                        source=f"{self.source}; forwards x{f:.3f}")
 
+    def noisy(self, seed: int) -> "SimProfile":
+        """Every modeled step's time drawn around its price, as scattered as the measured steps
+        (``step_scatter``), from draws seeded by ``seed``: one of many replays of a row."""
+        return replace(self, step_noise=self.step_scatter, noise_seed=int(seed))
+
     def with_step_costs(self, path: str | Path, skip: int | None = None) -> "SimProfile":
         """Steps priced by measured whole steps: the fits of a ``benchmarks/step_cost.py``
         results JSON (a lone engine; ``paired`` while another worker of the host steps), or
@@ -93,6 +104,7 @@ class SimProfile:
         fit = fit_in_workers(data, skip=skip)
         n = fit["steps"]
         return replace(self, step_costs=(fit["alone"], fit["paired"]), step_costs_from=str(path),
+                       step_scatter=fit["rms_rel_error"],
                        source=f"{self.source}; steps priced by the {n['every']} steps exp 7's Dask workers ran in "
                               f"{Path(path).name} ({n['alone']} alone, {n['paired']} beside a peer's)")
 

@@ -20,7 +20,7 @@ from .report import BENCH_NAMES, METRICS, measured_totals, spread
 CONFIG = ("model", "workers", "max_new_tokens", "exp7_workflows", "exp7_docs", "exp7_context", "exp7_budget_fraction")
 
 
-def _rows(data: dict) -> dict[tuple, dict]:
+def rows(data: dict) -> dict[tuple, dict]:
     """A bench JSON's exp 7 rows that ran, by (system, stream, rate, repetition)."""
     return {(BENCH_NAMES.get(r["system"], r["system"]), r.get("stream", "uniform"), float(r["rate"]),
              int(r.get("rep", 0))): measured_totals(r)
@@ -34,7 +34,7 @@ def compare(first: str | Path, second: str | Path) -> list[dict]:
     differ = [k for k in CONFIG if (da.get("config") or {}).get(k) != (db.get("config") or {}).get(k)]
     if differ:
         raise ValueError(f"{first} and {second} measured different exp 7 streams ({', '.join(differ)} differ)")
-    a, b = _rows(da), _rows(db)
+    a, b = rows(da), rows(db)
     if not a.keys() & b.keys():
         raise ValueError(f"{first} and {second} have no exp 7 row in common (system, stream, rate and repetition)")
     out = []

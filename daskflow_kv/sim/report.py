@@ -16,7 +16,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..stats import percentile
@@ -98,18 +98,39 @@ def host_load(row: dict, cores: int | None, workers: int) -> tuple[float | None,
     return round(other, 3), host_slowdown(int(cores), workers, other)
 
 
-def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[dict]:
-    """Every measured exp 7 row of ``path`` replayed at its workers with ``profile`` (slowed by
-    the row's ``host_load``): the simulated and measured throughput, p95 latency and tokens
-    prefilled, and the error. Step costs fitted on ``path``'s own workers are refitted for
-    each row without that row's steps, so that no row is replayed on costs it fed."""
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """One measured exp 7 row, set up to be replayed: the same stream, workers and budget, and
+    the profile it is priced with (slowed by the row's ``host_load``)."""
+
+    row: dict  # the measured row
+    system: str  # the simulator's name for its system
+    stream: str
+    workflows: list
+    workers: int
+    budget: int | None
+    profile: object  # SimProfile, before ``slowed``
+    slowdown: float
+    other_cores: float | None
+    held_out: bool  # its steps are priced by a fit on the run's other rows
+
+    def run(self, profile=None) -> dict:
+        """``run_system`` on this row (with ``profile`` in place of its own, if given)."""
+        prof = self.profile if profile is None else profile
+        return run_system(self.system, prof.slowed(self.slowdown), self.workflows, self.workers, self.budget)
+
+
+def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[Replay]:
+    """Every measured exp 7 row of ``path`` of one of ``systems``, set up to be replayed. Step
+    costs fitted on ``path``'s own workers are refitted for each row without that row's
+    steps, so that no row is replayed on costs it fed."""
     cfg, rows, cores = measured_exp7(path)
     # step costs fitted on this very run's workers: each row replays on a fit of the others
     held_out = bool(profile.step_costs_from) and Path(profile.step_costs_from).resolve() == Path(path).resolve()
-    out = []
     n, docs = int(cfg.get("exp7_workflows", 16)), int(cfg.get("exp7_docs", 4))
     context, max_new = int(cfg.get("exp7_context", 1024)), int(cfg.get("max_new_tokens", 16))
     workers = int(cfg.get("workers", 2))
+    out = []
     for r in rows:
         system = BENCH_NAMES.get(r["system"], r["system"])
         if system not in systems:
@@ -117,15 +138,25 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
         kind = r.get("stream", "uniform")  # rows before streams had kinds ran documents in turn
         wfs = exp7_stream(n, float(r["rate"]), docs, kind, context, max_new,
                           arrival_seed=int(float(r["rate"]) * 1000) + int(r.get("rep", 0)))
-        budget = r.get("kv_budget_bytes")
         other, slowdown = host_load(r, cores, workers)
         prof = profile.with_step_costs(path, skip=r["_index"]) if held_out else profile
-        sim = run_system(system, prof.slowed(slowdown), wfs, workers, budget)
+        out.append(Replay(r, system, kind, wfs, workers, r.get("kv_budget_bytes"), prof, slowdown, other, held_out))
+    return out
+
+
+def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[dict]:
+    """Every measured exp 7 row of ``path`` replayed (``replays``): the simulated and measured
+    throughput, p95 latency and tokens prefilled, and the error."""
+    out = []
+    for case in replays(path, profile, systems):
+        r, prof = case.row, case.profile
+        sim = case.run()
         steps = bench_step_rows({"runs": [r]})
         speed = row_speed(steps[0], *prof.step_costs) if steps and prof.step_costs else None
-        row = {"label": LABEL, "system": system, "stream": kind, "rate": r["rate"], "rep": r.get("rep", 0),
-               "workers": workers, "offered_sim": sim["offered_per_min"], "offered_measured": r.get("offered_per_min"),
-               "other_cores": other, "slowdown": slowdown, "steps_priced_held_out": held_out,
+        row = {"label": LABEL, "system": case.system, "stream": case.stream, "rate": r["rate"], "rep": r.get("rep", 0),
+               "workers": case.workers, "offered_sim": sim["offered_per_min"],
+               "offered_measured": r.get("offered_per_min"), "other_cores": case.other_cores,
+               "slowdown": case.slowdown, "steps_priced_held_out": case.held_out,
                # the row's measured step seconds over the modeled price of the same steps
                "step_speed": speed,
                # how evenly the work fell: each worker's step seconds, busiest first
@@ -137,8 +168,7 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
         # what is left of the error is the work and its scheduling, not the host's drift.
         steady = None
         if speed:
-            at_speed = replace(prof, step_costs=tuple(c.scaled(speed) for c in prof.step_costs))
-            steady = run_system(system, at_speed.slowed(slowdown), wfs, workers, budget)
+            steady = case.run(replace(prof, step_costs=tuple(c.scaled(speed) for c in prof.step_costs)))
         for m in METRICS:
             meas, simv = measured.get(m), sim[m]
             row[m] = {"measured": meas, "simulated": simv,
@@ -254,6 +284,28 @@ def markdown(result: dict) -> str:
                              f"{_f(r.get('slowdown'), '{:.2f}x')} | {_f(r.get('step_speed'), '{:.2f}x')} | "
                              f"{m} | {_f(x['measured'])} | "
                              f"{_f(x['simulated'])} | {err} |")
+        lines.append("")
+    ens = result.get("ensemble")
+    if ens:
+        lines += [f"## The model's spread: {ens['draws']} draws a row (MODELED vs measured exp 7)", "",
+                  "Each row replayed with every step's time drawn around its price, as scattered as the measured "
+                  "steps are around the same fit; held against every measurement of the row in "
+                  + ", ".join(f"`{p}`" for p in ens["against"]) + ". Error: the modeled median against the "
+                  "measured median.", "",
+                  "| system | metric | error min | error max | error mean | within ±10 % | "
+                  "measured within the draws |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in ens["summary"]:
+            lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
+                         f"{100 * x['mean']:+.0f} % | {x['within']}/{x['rows']} | {x['covered']}/{x['measured']} |")
+        lines += ["", "| system | stream | rep | metric | measured | MODELED min / median / max |",
+                  "|---|---|---|---|---|---|"]
+        for r in ens["rows"]:
+            for m in (m for m in METRICS if m in r):
+                x = r[m]
+                lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {m} | "
+                             f"{', '.join(_f(v) for v in x['measured'])} | {_f(x['modeled_min'])} / "
+                             f"{_f(x['modeled_median'])} / {_f(x['modeled_max'])} |")
         lines.append("")
     rep = result.get("repeatability")
     if rep:

@@ -68,7 +68,8 @@ class System:
         self.loop = EventLoop()
         self.board = QueueBoard(n_workers)
         self.workers = [ModeledWorker(i, profile.worker_prefill(i), self.loop, step_tokens, max_running, profile.decode,
-                                      profile.step_costs, self.board)
+                                      profile.step_costs, self.board, profile.step_noise,
+                                      np.random.default_rng([profile.noise_seed, i]) if profile.step_noise else None)
                         for i in range(n_workers)]
         per_host = max(1, profile.workers_per_host)
         for w in self.workers:  # hosts of ``workers_per_host`` consecutive workers, as measured

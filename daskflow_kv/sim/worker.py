@@ -74,10 +74,10 @@ class QueueBoard:
 
 class ModeledWorker:
     __slots__ = ("idx", "name", "prof", "decode", "costs", "peers", "loop", "step_tokens", "max_running", "waiting",
-                 "running", "stepping", "queued_s", "steps", "busy_time", "board")
+                 "running", "stepping", "queued_s", "steps", "busy_time", "board", "noise", "rng")
 
     def __init__(self, idx: int, prof, loop: EventLoop, step_tokens: int = 512, max_running: int = 64,
-                 decode=None, costs=None, board: QueueBoard | None = None):
+                 decode=None, costs=None, board: QueueBoard | None = None, noise: float = 0.0, rng=None):
         self.idx = idx  # position in the cluster
         self.name = f"w{idx}"  # its address in ClusterView
         self.prof = prof  # PrefillProfile
@@ -94,6 +94,9 @@ class ModeledWorker:
         self.steps = 0  # forward steps run
         self.busy_time = 0.0  # virtual s spent in steps
         self.board = board  # where it posts its queue (None: nowhere)
+        # a step's time: its price times a mean-one lognormal draw of this sigma from ``rng``
+        # (None: exactly its price), the scatter measured steps show around the same price
+        self.noise, self.rng = noise, rng
 
     def submit(self, req: Request) -> None:
         req.arrived = self.loop.now
@@ -144,6 +147,8 @@ class ModeledWorker:
             cost = self.costs[1 if shared else 0].seconds(step_shape(run, plan))
         else:
             cost = step_seconds(self.prof, [(n, run[rid].position) for rid, n in plan.feeds], self.decode, shared)
+        if self.rng is not None:
+            cost *= scatter(self.rng, self.noise)
         self.stepping = True
         self.steps += 1
         self.busy_time += cost
@@ -173,6 +178,11 @@ class ModeledWorker:
             r.on_done(r)
         if not self.stepping and (self.running or self.waiting):
             self._step()
+
+
+def scatter(rng, sigma: float) -> float:
+    """A mean-one lognormal factor of log-sigma ``sigma``: a step's time over its price."""
+    return math.exp(sigma * rng.standard_normal() - sigma * sigma / 2)
 
 
 def step_shape(running: dict[int, Request], plan) -> dict:
