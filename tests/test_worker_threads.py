@@ -38,6 +38,8 @@ def test_a_lone_worker_runs_its_model_on_every_core_and_two_share_them(client):
     _load_model(client)
     assert set(client.run(torch_threads.of_a_new_thread).values()) == {split := torch_threads.split_cores(CPU_COUNT, 2)}
     with local_cluster(n_workers=1, dashboard_address=":0") as cluster, Client(cluster) as c:
+        # Dask's task threads stay as set: torch's count is a separate setting
+        assert [w["nthreads"] for w in c.scheduler_info()["workers"].values()] == [1]
         assert list(c.run(torch_threads.of_a_new_thread).values()) == [1]  # Dask's, until a model is loaded here
         _load_model(c)
         assert list(c.run(torch_threads.of_a_new_thread).values()) == [CPU_COUNT]

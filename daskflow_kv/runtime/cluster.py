@@ -73,10 +73,10 @@ def local_cluster(
         validation.byte_size("memory_limit", memory_limit)
     if kv_budget is not None:
         validation.byte_size("kv_budget", kv_budget, minimum=0)
-    threads = torch_threads_setting(torch_threads)
-    if threads == "auto":  # the workers split this host's cores (their nannies keep this config)
-        threads = split_cores(CPU_COUNT, n_workers)
-    with dask.config.set({**kv_dask_config(), f"daskflow-kv.{TORCH_THREADS}": threads}):
+    torch_threads = torch_threads_setting(torch_threads)
+    if torch_threads == "auto":  # the workers split this host's cores (their nannies keep this config)
+        torch_threads = split_cores(CPU_COUNT, n_workers)
+    with dask.config.set({**kv_dask_config(), f"daskflow-kv.{TORCH_THREADS}": torch_threads}):
         return LocalCluster(
             n_workers=n_workers,
             threads_per_worker=threads,
