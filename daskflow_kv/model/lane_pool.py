@@ -89,8 +89,7 @@ class LanePool:
                 group.ws = self._views(slot, group.ws[0][0].shape[2])
 
     def _slot_bytes(self, capacity: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layers * self.kv_heads * capacity * self.head_dim * element
+        return 2 * self.layers * self.kv_heads * capacity * self.head_dim * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

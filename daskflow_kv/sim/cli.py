@@ -66,8 +66,8 @@ def main(argv=None) -> int:
             profile = profile.with_step_costs(args.step_cost)
         wfs = read_trace(args.trace) if args.trace else None
         repeat = repeatability.compare(args.profile_from, args.repeat_of) if args.repeat_of else None
-        for other in args.draws_against:  # the same rows, or refused here in one line
-            repeatability.compare(args.profile_from, other)
+        # the same rows as the fitted run, or refused here in one line
+        against = [repeatability.matching(args.profile_from, other)[1] for other in args.draws_against]
     except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         parser.error(" ".join(str(e).split()))
     if args.draws and (args.draws < 2 or not profile.step_scatter):
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         result["fidelity"] = fidelity(args.profile_from, profile)
         result["fidelity_summary"] = fidelity_summary(result["fidelity"])
     if args.draws and not args.no_fidelity:
-        rows = ensemble.replay(args.profile_from, profile, args.draws, args.systems, args.draws_against)
+        rows = ensemble.replay(args.profile_from, profile, args.draws, args.systems, against)
         result["ensemble"] = {"draws": args.draws, "against": [args.profile_from, *args.draws_against],
                               "rows": rows, "summary": ensemble.summary(rows)}
     if repeat is not None:

@@ -12,7 +12,6 @@ hides that.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -22,18 +21,18 @@ from .report import LABEL, METRICS, measured_totals, replays, spread
 
 def replay(path: str | Path, profile, draws: int, systems=("daskflow-kv", "local"), also=()) -> list[dict]:
     """Every exp 7 row of ``path`` replayed ``draws`` times with step noise (seeds 0 ..
-    draws - 1); measured: the row in ``path`` and the same row (system, stream, rate,
-    repetition: the same workflows) in each bench JSON of ``also``. Per metric: the modeled
-    min / median / max, the measured values, how many of them lie within the modeled range,
-    and the modeled median's relative error against the measured median."""
+    draws - 1); measured: the row in ``path`` and the same row (``repeatability.row_key``:
+    the same workflows) in each of ``also``, other runs' rows as ``repeatability.matching``
+    gives them. Per metric: the modeled min / median / max, the measured values, how many of
+    them lie within the modeled range, and the modeled median's relative error against the
+    measured median."""
     if draws < 2:
         raise ValueError(f"draws must be at least 2, got {draws}")
-    others = [repeatability.rows(json.loads(Path(p).read_text())) for p in also]
     out = []
     for case in replays(path, profile, systems):
         r = case.row
-        key = (case.system, case.stream, float(r["rate"]), int(r.get("rep", 0)))
-        measured = [measured_totals(r)] + [o[key] for o in others if key in o]
+        key = repeatability.row_key(r)
+        measured = [measured_totals(r)] + [o[key] for o in also if key in o]
         sims = [case.run(case.profile.noisy(seed)) for seed in range(draws)]
         row = {"label": LABEL, "system": case.system, "stream": case.stream, "rate": r["rate"],
                "rep": r.get("rep", 0), "draws": draws, "step_noise": case.profile.step_scatter,

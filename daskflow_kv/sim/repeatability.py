@@ -20,16 +20,19 @@ from .report import BENCH_NAMES, METRICS, measured_totals, spread
 CONFIG = ("model", "workers", "max_new_tokens", "exp7_workflows", "exp7_docs", "exp7_context", "exp7_budget_fraction")
 
 
+def row_key(r: dict) -> tuple:
+    """(system, stream, rate, repetition) of a measured exp 7 row: the same workflows in any run."""
+    return BENCH_NAMES.get(r["system"], r["system"]), r.get("stream", "uniform"), float(r["rate"]), int(r.get("rep", 0))
+
+
 def rows(data: dict) -> dict[tuple, dict]:
-    """A bench JSON's exp 7 rows that ran, by (system, stream, rate, repetition)."""
-    return {(BENCH_NAMES.get(r["system"], r["system"]), r.get("stream", "uniform"), float(r["rate"]),
-             int(r.get("rep", 0))): measured_totals(r)
-            for r in data.get("runs", []) if r.get("exp") == "exp7" and "error" not in r}
+    """A bench JSON's exp 7 rows that ran, by ``row_key``."""
+    return {row_key(r): measured_totals(r) for r in data.get("runs", []) if r.get("exp") == "exp7" and "error" not in r}
 
 
-def compare(first: str | Path, second: str | Path) -> list[dict]:
-    """Every exp 7 row both runs measured: each metric's value in both and the relative
-    difference ``(second - first) / first``."""
+def matching(first: str | Path, second: str | Path) -> tuple[dict, dict]:
+    """Both runs' exp 7 rows (``rows``), refused in one line unless they measured the same
+    streams and have a row in common."""
     da, db = (json.loads(Path(p).read_text()) for p in (first, second))
     differ = [k for k in CONFIG if (da.get("config") or {}).get(k) != (db.get("config") or {}).get(k)]
     if differ:
@@ -37,6 +40,13 @@ def compare(first: str | Path, second: str | Path) -> list[dict]:
     a, b = rows(da), rows(db)
     if not a.keys() & b.keys():
         raise ValueError(f"{first} and {second} have no exp 7 row in common (system, stream, rate and repetition)")
+    return a, b
+
+
+def compare(first: str | Path, second: str | Path) -> list[dict]:
+    """Every exp 7 row both runs measured: each metric's value in both and the relative
+    difference ``(second - first) / first``."""
+    a, b = matching(first, second)
     out = []
     for key in sorted(a.keys() & b.keys()):
         system, stream, rate, rep = key
