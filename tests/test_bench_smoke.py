@@ -108,6 +108,9 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
             assert r["cpu_s"]["client"] > 0 and r["cpu_s"]["scheduler"] is None  # LocalCluster: in-process
             assert all(c >= 0 for c in r["cpu_s"]["workers"].values()) and sum(r["cpu_s"]["workers"].values()) > 0
             assert sum(r["step_busy_s"].values()) > 0
+            if r["system"] == "local":  # what its router priced with, for a replay (sim.report.replays)
+                assert set(r["router_profiles"]) == set(r["step_busy_s"])
+                assert all(min(p.values()) >= 0 < sum(p.values()) for p in r["router_profiles"].values())
     by = {(r["exp"], r["system"]): r for r in runs}
     for system in ("local", "dkv"):  # state crosses rounds: fewer tokens than text replay
         assert by[("exp6", system)]["tokens_prefilled"] < by[("exp6", "text")]["tokens_prefilled"]

@@ -226,6 +226,8 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         rt.configure(unset_budget=True)
     delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
     row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget) | load
+    if system == "local":  # what the router priced with (refreshed at exp 7's start): a replay needs it
+        row["router_profiles"] = b.router.priced_by()
     if system == "dkv":
         row["rebuild_reasons"] = rebuild_reasons(d for x in benches for d in list(x.rt.decisions))
     if row["agree"] is False:

@@ -67,6 +67,12 @@ class CacheAwareRouter:
         prof = self.profiles.get(w) or _ZERO
         return self.queued[w] + prof.seconds(n - held, held) + batch_seconds(prof, n, suffix_lens, max_new)
 
+    def priced_by(self) -> dict[str, dict | None]:
+        """{worker: {a, b, c}}: the prefill profiles the router prices with now (None: zero
+        cost), recorded with each measured row so that a replay prices as it did."""
+        return {w: (None if p is None else {"a": p.a, "b": p.b, "c": p.c})
+                for w in self.workers for p in [self.profiles.get(w)]}
+
     def done(self, worker: str, predicted_s: float, sequences: Sequence[Sequence[int]] = ()) -> None:
         """A routed group finished: its time leaves the queue, what it cached is remembered."""
         with self._lock:
