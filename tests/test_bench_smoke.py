@@ -111,6 +111,15 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
             if r["system"] == "local":  # what its router priced with, for a replay (sim.report.replays)
                 assert set(r["router_profiles"]) == set(r["step_busy_s"])
                 assert all(min(p.values()) >= 0 < sum(p.values()) for p in r["router_profiles"].values())
+    # each exp 7 row beside its simulation, on the run's own profile (sim.report.fidelity)
+    modeled = doc["exp7_modeled"]["rows"]
+    assert doc["exp7_modeled"]["profile"].startswith("calibration of bench_m.json")
+    assert sorted((m["system"], m["stream"], m["rep"]) for m in modeled) == sorted(
+        ({"dkv": "daskflow-kv"}.get(r["system"], r["system"]), r["stream"], r["rep"]) for r in runs if r["exp"] == "exp7")
+    for m in modeled:
+        assert m["label"] == "MODELED" and m["completed_per_min"]["simulated"] > 0
+        assert m["tokens_prefilled"]["simulated"] > 0 and m["tokens_prefilled"]["measured"] > 0
+    assert "## Exp 7 beside its simulation (MODELED)" in (tmp_path / "SUMMARY_m.md").read_text()
     by = {(r["exp"], r["system"]): r for r in runs}
     for system in ("local", "dkv"):  # state crosses rounds: fewer tokens than text replay
         assert by[("exp6", system)]["tokens_prefilled"] < by[("exp6", "text")]["tokens_prefilled"]

@@ -518,9 +518,9 @@ def test_a_noisy_profile_scatters_each_steps_time_around_its_price_and_repeats_b
         prof.step_scatter, rel=0.03)
 
 
-def test_the_draws_of_a_row_are_held_against_every_measurement_of_it(tmp_path):
-    """``--draws``: each measured row replayed with step noise; its measured values (this run
-    and the same row of the other runs given) against the modeled range and median."""
+def test_the_draws_of_each_run_are_held_against_its_own_measurement(tmp_path):
+    """``--draws``: each measured row of each run replayed with step noise, against that
+    run's value; a ``local`` row's router prices as it did in that run."""
     from daskflow_kv.sim import ensemble
 
     run = "benchmarks/results/bench_exp7_fit.json"
@@ -531,18 +531,50 @@ def test_the_draws_of_a_row_are_held_against_every_measurement_of_it(tmp_path):
             r["tokens_prefilled"] = round(r["tokens_prefilled"] * 3)  # far outside anything modeled
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))
-    from daskflow_kv.sim import repeatability
-
-    rows = ensemble.replay(run, prof, 3, systems=("local",), also=[repeatability.matching(run, other)[1]])
-    assert rows and all(r["system"] == "local" and r["draws"] == 3 and r["measurements"] == 2 for r in rows)
-    for r in rows:
-        t = r["tokens_prefilled"]
-        assert t["modeled_min"] <= t["modeled_median"] <= t["modeled_max"] and len(t["measured"]) == 2
-        assert t["covered"] <= 1  # the tripled measurement lies outside every draw
+    rows = ensemble.replay([run, other], prof, 3, systems=("local",))
+    assert rows and all(r["system"] == "local" and r["draws"] == 3 and r["measurements"] == 1 for r in rows)
+    mine, theirs = ([r for r in rows if r["run"] == name] for name in (Path(run).name, "other.json"))
+    assert len(mine) == len(theirs) > 0
+    for a, b in zip(mine, theirs):  # row by row, each against its own run's value
+        t, u = a["tokens_prefilled"], b["tokens_prefilled"]
+        assert t["modeled_min"] <= t["modeled_median"] <= t["modeled_max"]
+        assert u["measured"] == [3 * t["measured"][0]] and u["covered"] == 0  # tripled: outside every draw
     [tokens] = [s for s in ensemble.summary(rows) if s["metric"] == "tokens_prefilled"]
-    assert tokens["measured"] == 2 * len(rows) and tokens["covered"] <= len(rows)
+    assert tokens["measured"] == len(rows) and tokens["covered"] <= len(mine)
     with pytest.raises(ValueError, match="at least 2"):
-        ensemble.replay(run, prof, 1)
+        ensemble.replay([run], prof, 1)
+
+
+def test_a_local_row_is_replayed_with_the_profiles_its_router_priced_with(tmp_path):
+    """What the bench's router priced with, where known (the row's ``router_profiles``; else,
+    in a run without daskflow-kv, the calibration), steers the modeled router; unknown, it
+    prices as the workers do. The planner's and the steps' prices stay."""
+    from daskflow_kv.sim.report import replays
+
+    run = "benchmarks/results/bench_exp7_fit.json"
+    prof = fitted_profile(run).with_step_costs(run)
+    data = json.loads(Path(run).read_text())
+    assert "dkv" in data["config"]["systems"]  # daskflow-kv's prefills refitted the profiles: unknown
+    assert all(c.profile.router is None for c in replays(run, prof, ("local",)))
+    cal = data["calibration"]["prefill_profiles"]
+
+    def rewritten(name, **config):
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(data, config=dict(data["config"], **config))))
+        return [c for c in replays(path, prof, ("local",)) if c.stream == "zipf"]
+
+    [case, *_] = rewritten("local_only.json", systems=["local"])  # nothing refitted: the calibration
+    assert [p.a for p in case.profile.router] == [cal[w]["a"] for w in sorted(cal)]
+    assert case.profile.prefill == prof.prefill
+    dear = {w: {"a": 0.0, "b": 1.0, "c": 0.0} for w in cal}  # a second a token, and nothing a step
+    for r in data["runs"]:
+        if r.get("exp") == "exp7" and r["system"] == "local":
+            r["router_profiles"] = dear
+    [case, *_] = rewritten("recorded.json")
+    assert case.profile.router[0].b == 1.0
+    steered, own = case.run(), case.run(replace(case.profile, router=None))  # None: the workers' own prices
+    assert steered["tokens_prefilled"] != own["tokens_prefilled"]  # the router decided otherwise
+    assert steered["step_busy_s"] != own["step_busy_s"]
 
 
 def test_simulate_refuses_draws_it_cannot_take_in_one_line(tmp_path, capsys):

@@ -84,12 +84,29 @@ def plot(doc: dict, summary: list[dict], out_dir: Path, tag: str) -> list[Path]:
     return files
 
 
+def _simulate_exp7(doc: dict, path: Path) -> None:
+    """Each exp 7 row beside its simulation, read from the JSON just written, kept in it."""
+    from .common import log
+    from .exp7_modeled import line, replay
+
+    try:
+        doc["exp7_modeled"] = replay(path)
+    except (OSError, ValueError, KeyError) as e:  # a run the model cannot be fitted on: said, not fatal
+        doc["exp7_modeled_error"] = " ".join(f"{type(e).__name__}: {e}".split())
+        log(f"exp7 not simulated: {doc['exp7_modeled_error']}")
+    for r in (doc.get("exp7_modeled") or {}).get("rows", ()):
+        log(line(r))
+    write_json(path, doc)
+
+
 def write_all(doc: dict, out_dir: Path, tag: str, plots: bool = True, summary_path: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(doc.get("runs", []))
     doc["summary"] = summary
     doc["targets"] = targets(doc, summary)
     files = [write_json(out_dir / f"bench_{tag}.json", doc)]
+    if any(r.get("exp") == "exp7" for r in doc.get("runs", [])):
+        _simulate_exp7(doc, files[0])
     if doc.get("runs"):
         files.append(write_csv(out_dir / f"bench_{tag}_runs.csv", doc["runs"]))
         files.append(write_csv(out_dir / f"bench_{tag}_summary.csv", summary))

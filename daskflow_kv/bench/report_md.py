@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from . import exp7_modeled
 from .common import mib
 from .exp7_why import why as exp7_why
 from .summary import (BASELINES, OVERHEAD_FIELDS, POINT_KEY, SUBJECT, exp3_errors, gain, saturation, targets,
@@ -355,5 +356,5 @@ def markdown(doc: dict, summary: list[dict]) -> str:
         lines += grid(summary, "exp2", "throughput_tok_s", "Generated tokens / s", "{:.1f}", spread=False,
                       higher_better=True)
         lines += grid(summary, "exp2", "omega_s", "Omega (framework overhead), s", spread=False)
-    lines += _exp6_lines(summary) + _exp7_lines(summary)
+    lines += _exp6_lines(summary) + _exp7_lines(summary) + exp7_modeled.lines(doc)
     return "\n".join(lines) + "\n"

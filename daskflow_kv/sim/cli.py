@@ -18,7 +18,7 @@ from pathlib import Path
 from . import ensemble, repeatability
 from .plot import plot_ratios
 from .profile import PRESETS, fitted_profile, preset_profile
-from .report import STREAMS, fidelity, fidelity_summary, markdown, ratios, run_system, simulate_grid
+from .report import STREAMS, fidelity, measured_exp7, fidelity_summary, markdown, ratios, run_system, simulate_grid
 from .workload import exp7_stream, read_trace
 
 BENCH = "benchmarks/results/bench_full.json"
@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                         "scattered as the measured steps (needs --step-cost from a bench JSON): the model's spread "
                         "beside the measured one (default: no draws)")
     p.add_argument("--draws-against", nargs="+", default=[], metavar="BENCH_JSON",
-                   help="more measurements of the same exp 7 rows (same config and seeds) the draws are held against")
+                   help="more bench JSONs with exp 7 rows: their rows are drawn too (each run's streams, its `local` router "
+                        "pricing as it did) and held against their own measurements")
     p.add_argument("--speed", action="store_true", help="also time 512 workers x 10,000 workflows (daskflow-kv)")
     p.add_argument("--out", default="benchmarks/results/simulation",
                    help="output stem: .json, .md and (several worker counts) .png (default %(default)s)")
@@ -66,8 +67,9 @@ def main(argv=None) -> int:
             profile = profile.with_step_costs(args.step_cost)
         wfs = read_trace(args.trace) if args.trace else None
         repeat = repeatability.compare(args.profile_from, args.repeat_of) if args.repeat_of else None
-        # the same rows as the fitted run, or refused here in one line
-        against = [repeatability.matching(args.profile_from, other)[1] for other in args.draws_against]
+        for other in args.draws_against:  # each replayed as it ran: it needs exp 7 rows, or is refused here
+            if not measured_exp7(other)[1]:
+                raise ValueError(f"{other} has no exp 7 rows to hold draws against")
     except (OSError, ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         parser.error(" ".join(str(e).split()))
     if args.draws and (args.draws < 2 or not profile.step_scatter):
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         result["fidelity"] = fidelity(args.profile_from, profile)
         result["fidelity_summary"] = fidelity_summary(result["fidelity"])
     if args.draws and not args.no_fidelity:
-        rows = ensemble.replay(args.profile_from, profile, args.draws, args.systems, against)
+        rows = ensemble.replay([args.profile_from, *args.draws_against], profile, args.draws, args.systems)
         result["ensemble"] = {"draws": args.draws, "against": [args.profile_from, *args.draws_against],
                               "rows": rows, "summary": ensemble.summary(rows)}
     if repeat is not None:

@@ -1,13 +1,14 @@
 """The model's own spread beside the measured one: each exp 7 row replayed many times, every
 modeled step's time drawn around its price as scattered as the measured steps are around the
-same fit (``SimProfile.noisy``), against every measurement of that row. Pure but for the
-simulations: bench JSONs and a profile in, plain rows out. MODELED.
+same fit (``SimProfile.noisy``), against the run's measurement of that row, for every run
+given. Pure but for the simulations: bench JSONs and a profile in, plain rows out. MODELED.
 
 Why: a per-row check holds one modeled number against one measured one, but under saturation
 a row's outcome turns on timing (``repeatability``: two runs of the same ``local`` rows
 prefilled up to half as much again). If the model is right, its draws spread as the
-measurements do and cover them, and its median sits near theirs; if it is wrong, no spread
-hides that.
+measurements do and cover them, and its medians' errors average out over rows and runs; if
+it is wrong, no spread hides that. Each run is replayed as it ran: the same rows of two runs
+are not the same input when their ``local`` routers priced with different profiles.
 """
 
 from __future__ import annotations
@@ -15,38 +16,36 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from . import repeatability
 from .report import LABEL, METRICS, measured_totals, replays, spread
 
 
-def replay(path: str | Path, profile, draws: int, systems=("daskflow-kv", "local"), also=()) -> list[dict]:
-    """Every exp 7 row of ``path`` replayed ``draws`` times with step noise (seeds 0 ..
-    draws - 1); measured: the row in ``path`` and the same row (``repeatability.row_key``:
-    the same workflows) in each of ``also``, other runs' rows as ``repeatability.matching``
-    gives them. Per metric: the modeled min / median / max, the measured values, how many of
-    them lie within the modeled range, and the modeled median's relative error against the
-    measured median."""
+def replay(paths, profile, draws: int, systems=("daskflow-kv", "local")) -> list[dict]:
+    """Every exp 7 row of each run in ``paths`` replayed ``draws`` times with step noise (seeds
+    0 .. draws - 1), held against that run's measurement of it: the same workflows, and a
+    ``local`` row's router pricing as it did in that run (``report.replays``), which differs
+    from run to run. Per metric: the modeled min / median / max, the measured value, whether
+    it lies within the modeled range, and the modeled median's relative error against it."""
     if draws < 2:
         raise ValueError(f"draws must be at least 2, got {draws}")
     out = []
-    for case in replays(path, profile, systems):
-        r = case.row
-        key = repeatability.row_key(r)
-        measured = [measured_totals(r)] + [o[key] for o in also if key in o]
-        sims = [case.run(case.profile.noisy(seed)) for seed in range(draws)]
-        row = {"label": LABEL, "system": case.system, "stream": case.stream, "rate": r["rate"],
-               "rep": r.get("rep", 0), "draws": draws, "step_noise": case.profile.step_scatter,
-               "measurements": len(measured)}
-        for m in METRICS:
-            modeled = sorted(s[m] for s in sims)
-            values = [x[m] for x in measured if x.get(m) is not None]
-            if not values:
-                continue
-            mid, meas_mid = statistics.median(modeled), statistics.median(values)
-            row[m] = {"modeled_min": modeled[0], "modeled_median": mid, "modeled_max": modeled[-1],
-                      "measured": values, "covered": sum(modeled[0] <= v <= modeled[-1] for v in values),
-                      "median_error": (mid - meas_mid) / meas_mid if meas_mid else None}
-        out.append(row)
+    for path in paths:
+        for case in replays(path, profile, systems):
+            r = case.row
+            measured = measured_totals(r)
+            sims = [case.run(case.profile.noisy(seed)) for seed in range(draws)]
+            row = {"label": LABEL, "run": Path(path).name, "system": case.system, "stream": case.stream,
+                   "rate": r["rate"], "rep": r.get("rep", 0), "draws": draws, "step_noise": case.profile.step_scatter,
+                   "measurements": 1}
+            for m in METRICS:
+                value = measured.get(m)
+                if value is None:
+                    continue
+                modeled = sorted(s[m] for s in sims)
+                mid = statistics.median(modeled)
+                row[m] = {"modeled_min": modeled[0], "modeled_median": mid, "modeled_max": modeled[-1],
+                          "measured": [value], "covered": int(modeled[0] <= value <= modeled[-1]),
+                          "median_error": (mid - value) / value if value else None}
+            out.append(row)
     return out
 
 

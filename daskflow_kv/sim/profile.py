@@ -55,9 +55,15 @@ class SimProfile:
     step_scatter: float = 0.0
     step_noise: float = 0.0
     noise_seed: int = 0
+    # what the ``local`` baseline's router prices with, per worker, cycled (None: ``prefill``):
+    # in a bench run, the runtime's profiles when exp 7 began, not the ones it ended on
+    router: tuple[PrefillProfile, ...] | None = None
 
     def worker_prefill(self, i: int) -> PrefillProfile:
         return self.prefill[i % len(self.prefill)]
+
+    def worker_router(self, i: int) -> PrefillProfile:
+        return self.worker_prefill(i) if self.router is None else self.router[i % len(self.router)]
 
     def pair(self, i: int, j: int) -> LinkProfile:
         return self.links.get((i, j)) or self.link
@@ -107,6 +113,22 @@ class SimProfile:
                        step_scatter=fit["rms_rel_error"],
                        source=f"{self.source}; steps priced by the {n['every']} steps exp 7's Dask workers ran in "
                               f"{Path(path).name} ({n['alone']} alone, {n['paired']} beside a peer's)")
+
+
+def router_profiles(data: dict, row: dict) -> tuple[PrefillProfile, ...] | None:
+    """The prefill profiles a measured ``local`` row's router priced with, workers in address
+    order (``fitted_profile``'s), where they are known: the row's record (``router_profiles``),
+    else - for a run that ran no daskflow-kv, whose prefills are what refits the runtime's
+    profiles - the run's calibration, which the router took when exp 7 began. None when
+    unknown (a run with daskflow-kv before exp 7 refitted them and did not record them)."""
+    profs = row.get("router_profiles")
+    if not profs and "dkv" not in ((data.get("config") or {}).get("systems") or ("dkv",)):
+        profs = (data.get("calibration") or {}).get("prefill_profiles")
+    if not profs:
+        return None
+    zero = {"a": 0.0, "b": 0.0, "c": 0.0}  # the router prices a worker it has no profile for at nothing
+    return tuple(PrefillProfile(float(p["a"]), float(p["b"]), float(p["c"]))
+                 for p in ((profs[w] or zero) for w in sorted(profs)))
 
 
 def host_slowdown(cores: int, workers: int, other_cores: float) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..stats import percentile
-from .profile import host_slowdown
+from .profile import host_slowdown, router_profiles
 from .step_cost import bench_step_rows, row_speed
 from .systems import DaskflowSystem, LocalSystem, TextSystem
 from .workload import exp7_stream
@@ -83,7 +83,9 @@ def measured_exp7(path: str | Path) -> tuple[dict, list[dict], int | None]:
     """A bench JSON's config, its exp 7 rows and the cores of the machine it ran on."""
     data = json.loads(Path(path).read_text())
     cores = (data.get("machine") or {}).get("cores")
-    rows = [dict(r, _index=i) for i, r in enumerate(data.get("runs", [])) if r.get("exp") == "exp7"]
+    # ``_router``: what a ``local`` row's router priced with (``profile.router_profiles``)
+    rows = [dict(r, _index=i, _router=router_profiles(data, r)) for i, r in enumerate(data.get("runs", []))
+            if r.get("exp") == "exp7"]
     return data.get("config") or {}, rows, cores
 
 
@@ -140,6 +142,8 @@ def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text"))
                           arrival_seed=int(float(r["rate"]) * 1000) + int(r.get("rep", 0)))
         other, slowdown = host_load(r, cores, workers)
         prof = profile.with_step_costs(path, skip=r["_index"]) if held_out else profile
+        if system == "local" and r["_router"]:  # the router priced as it did in the run
+            prof = replace(prof, router=r["_router"])
         out.append(Replay(r, system, kind, wfs, workers, r.get("kv_budget_bytes"), prof, slowdown, other, held_out))
     return out
 
@@ -289,21 +293,21 @@ def markdown(result: dict) -> str:
     if ens:
         lines += [f"## The model's spread: {ens['draws']} draws a row (MODELED vs measured exp 7)", "",
                   "Each row replayed with every step's time drawn around its price, as scattered as the measured "
-                  "steps are around the same fit; held against every measurement of the row in "
-                  + ", ".join(f"`{p}`" for p in ens["against"]) + ". Error: the modeled median against the "
-                  "measured median.", "",
+                  "steps are around the same fit (a `local` row's router pricing as that run's did); the rows "
+                  "of " + ", ".join(f"`{p}`" for p in ens["against"]) + ", each against its own run's "
+                  "measurement. Error: the modeled median against the measured value.", "",
                   "| system | metric | error min | error max | error mean | within ±10 % | "
                   "measured within the draws |",
                   "|---|---|---|---|---|---|---|"]
         for x in ens["summary"]:
             lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
                          f"{100 * x['mean']:+.0f} % | {x['within']}/{x['rows']} | {x['covered']}/{x['measured']} |")
-        lines += ["", "| system | stream | rep | metric | measured | MODELED min / median / max |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| run | system | stream | rep | metric | measured | MODELED min / median / max |",
+                  "|---|---|---|---|---|---|---|"]
         for r in ens["rows"]:
             for m in (m for m in METRICS if m in r):
                 x = r[m]
-                lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {m} | "
+                lines.append(f"| {r.get('run', '')} | {r['system']} | {r['stream']} | {r['rep']} | {m} | "
                              f"{', '.join(_f(v) for v in x['measured'])} | {_f(x['modeled_min'])} / "
                              f"{_f(x['modeled_median'])} / {_f(x['modeled_max'])} |")
         lines.append("")

@@ -199,6 +199,7 @@ class LocalSystem(System):
         self.sent = [deque() for _ in self.workers]  # chains the router sent there (its radix tree, approximated)
         self.seen: dict[str, dict[int, int]] = {}  # block key -> {worker: remembered chains holding it}
         self.rqueued = [0.0] * len(self.workers)  # the router's own queue estimate per worker
+        self.priced = [self.profile.worker_router(w.idx) for w in self.workers]  # what the router prices with
         self._sid = 0
 
     def _remember(self, w: int, blocks) -> None:
@@ -253,7 +254,8 @@ class LocalSystem(System):
             self._run_group(f, w, plen, blocks, [members[j] for j in idxs], t)
 
     def _finish(self, w, n, held, suffix_lens, max_new) -> float:
-        return self.rqueued[w.idx] + w.prof.seconds(n - held, held) + batch_seconds(w.prof, n, suffix_lens, max_new)
+        prof = self.priced[w.idx]
+        return self.rqueued[w.idx] + prof.seconds(n - held, held) + batch_seconds(prof, n, suffix_lens, max_new)
 
     def _run_group(self, f, w, plen, blocks, members, predicted) -> None:
         """``local_engine.run_group``: the prefix from this engine's cache, prefilling what it
