@@ -520,35 +520,43 @@ def test_a_noisy_profile_scatters_each_steps_time_around_its_price_and_repeats_b
 
 def test_the_draws_of_each_run_are_held_against_its_own_measurement(tmp_path):
     """``--draws``: each measured row of each run replayed with step noise, against that
-    run's value; a ``local`` row's router prices as it did in that run."""
+    run's value; a ``local`` row's router prices as that run's did where it says."""
     from daskflow_kv.sim import ensemble
 
     run = "benchmarks/results/bench_exp7_fit.json"
     prof = fitted_profile(run).with_step_costs(run)
     data = json.loads(Path(run).read_text())
+    dear = {w: {"a": 0.0, "b": 1.0, "c": 0.0} for w in data["calibration"]["prefill_profiles"]}
     for r in data["runs"]:
         if r.get("exp") == "exp7" and r["system"] == "local":
             r["tokens_prefilled"] = round(r["tokens_prefilled"] * 3)  # far outside anything modeled
+            r["router_profiles"] = dear  # and its router priced otherwise
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))
     rows = ensemble.replay([run, other], prof, 3, systems=("local",))
-    assert rows and all(r["system"] == "local" and r["draws"] == 3 and r["measurements"] == 1 for r in rows)
+    assert rows and all(r["system"] == "local" and r["draws"] == 3 for r in rows)
     mine, theirs = ([r for r in rows if r["run"] == name] for name in (Path(run).name, "other.json"))
     assert len(mine) == len(theirs) > 0
     for a, b in zip(mine, theirs):  # row by row, each against its own run's value
         t, u = a["tokens_prefilled"], b["tokens_prefilled"]
         assert t["modeled_min"] <= t["modeled_median"] <= t["modeled_max"]
-        assert u["measured"] == [3 * t["measured"][0]] and u["covered"] == 0  # tripled: outside every draw
-    [tokens] = [s for s in ensemble.summary(rows) if s["metric"] == "tokens_prefilled"]
-    assert tokens["measured"] == len(rows) and tokens["covered"] <= len(mine)
+        assert u["measured"] == 3 * t["measured"] and not u["covered"]  # tripled: outside every draw
+    assert [a["tokens_prefilled"]["modeled_median"] for a in mine] != [
+        b["tokens_prefilled"]["modeled_median"] for b in theirs]  # the other run's router priced otherwise
+    tokens, recorded = (s for s in ensemble.summary(rows) if s["metric"] == "tokens_prefilled")
+    assert tokens["rows_of"] == "all" and tokens["measured"] == len(rows)
+    assert tokens["covered"] == sum(a["tokens_prefilled"]["covered"] for a in mine)
+    assert recorded["rows_of"] == "run" and recorded["measured"] == len(theirs)  # those the record priced
     with pytest.raises(ValueError, match="at least 2"):
         ensemble.replay([run], prof, 1)
 
 
 def test_a_local_row_is_replayed_with_the_profiles_its_router_priced_with(tmp_path):
     """What the bench's router priced with, where known (the row's ``router_profiles``; else,
-    in a run without daskflow-kv, the calibration), steers the modeled router; unknown, it
-    prices as the workers do. The planner's and the steps' prices stay."""
+    in a run that refitted nothing before exp 7, the calibration), steers the modeled router,
+    worker by worker as ``fitted_profile`` orders them; unknown, it prices as the workers do.
+    The planner's and the steps' prices stay."""
+    from daskflow_kv.sim.profile import router_profiles
     from daskflow_kv.sim.report import replays
 
     run = "benchmarks/results/bench_exp7_fit.json"
@@ -557,31 +565,48 @@ def test_a_local_row_is_replayed_with_the_profiles_its_router_priced_with(tmp_pa
     assert "dkv" in data["config"]["systems"]  # daskflow-kv's prefills refitted the profiles: unknown
     assert all(c.profile.router is None for c in replays(run, prof, ("local",)))
     cal = data["calibration"]["prefill_profiles"]
+    workers = sorted(data["prefill_profiles_end"])  # fitted_profile's modeled workers, in order
 
     def rewritten(name, **config):
         path = tmp_path / name
         path.write_text(json.dumps(dict(data, config=dict(data["config"], **config))))
         return [c for c in replays(path, prof, ("local",)) if c.stream == "zipf"]
 
-    [case, *_] = rewritten("local_only.json", systems=["local"])  # nothing refitted: the calibration
-    assert [p.a for p in case.profile.router] == [cal[w]["a"] for w in sorted(cal)]
+    [case, *_] = rewritten("local_only.json", systems=["local"], experiments=[7])  # nothing refitted
+    assert [p.a for p in case.profile.router] == [cal[w]["a"] for w in workers]
     assert case.profile.prefill == prof.prefill
-    dear = {w: {"a": 0.0, "b": 1.0, "c": 0.0} for w in cal}  # a second a token, and nothing a step
+    [case, *_] = rewritten("with_exp3.json", systems=["local"], experiments=[3, 7])  # exp 3 refitted them
+    assert case.profile.router is None
+    dear = {w: {"a": 0.0, "b": 1.0 + i, "c": 0.0} for i, w in enumerate(reversed(workers))}  # a second a token or two
     for r in data["runs"]:
         if r.get("exp") == "exp7" and r["system"] == "local":
             r["router_profiles"] = dear
     [case, *_] = rewritten("recorded.json")
-    assert case.profile.router[0].b == 1.0
+    assert [p.b for p in case.profile.router] == [dear[w]["b"] for w in workers] == [2.0, 1.0]
     steered, own = case.run(), case.run(replace(case.profile, router=None))  # None: the workers' own prices
     assert steered["tokens_prefilled"] != own["tokens_prefilled"]  # the router decided otherwise
     assert steered["step_busy_s"] != own["step_busy_s"]
+    row = next(r for r in data["runs"] if r.get("exp") == "exp7" and r["system"] == "local")
+    assert router_profiles(data, row, "fitted") is None
+    assert [p.a for p in router_profiles(data, row, "calibration")] == [cal[w]["a"] for w in workers]
+    with pytest.raises(ValueError, match="router prices 'best'"):
+        router_profiles(data, row, "best")
+
+
+def test_the_bench_recorded_its_routers_calibration_where_the_replay_assumes_it():
+    """The fallback's premise, on a real run: a local-only exp 7 run's router priced with its
+    calibration (the run recorded both)."""
+    data = json.loads(Path("benchmarks/results/bench_exp7_local_router.json").read_text())
+    rows = [r for r in data["runs"] if r.get("exp") == "exp7"]
+    assert rows and all(r["router_profiles"] == {w: {k: p[k] for k in "abc"} for w, p in
+                                                 data["calibration"]["prefill_profiles"].items()} for r in rows)
 
 
 def test_simulate_refuses_draws_it_cannot_take_in_one_line(tmp_path, capsys):
     from daskflow_kv.sim.cli import main
 
     run = "benchmarks/results/bench_exp7_fit.json"
-    elsewhere = str(_bench(tmp_path / "four_docs.json", [], exp7_docs=4))
+    elsewhere = str(_bench(tmp_path / "no_rows.json", []))
     for argv in (["--draws", "5"],  # no step costs from a bench JSON: no measured scatter
                  ["--draws-against", run],  # without --draws
                  ["--profile-from", run, "--step-cost", run, "--draws", "5", "--draws-against", elsewhere]):

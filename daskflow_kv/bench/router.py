@@ -27,6 +27,10 @@ from ..state.blocks import common_prefix_len
 _ZERO = PrefillProfile(0.0, 0.0, 0.0)
 
 
+def _abc(p: PrefillProfile | None) -> dict | None:
+    return None if p is None else {"a": p.a, "b": p.b, "c": p.c}
+
+
 class CacheAwareRouter:
     """Routes groups of prompts over ``workers``; ``profiles``: worker -> PrefillProfile."""
 
@@ -70,8 +74,7 @@ class CacheAwareRouter:
     def priced_by(self) -> dict[str, dict | None]:
         """{worker: {a, b, c}}: the prefill profiles the router prices with now (None: zero
         cost), recorded with each measured row so that a replay prices as it did."""
-        return {w: (None if p is None else {"a": p.a, "b": p.b, "c": p.c})
-                for w in self.workers for p in [self.profiles.get(w)]}
+        return {w: _abc(self.profiles.get(w)) for w in self.workers}
 
     def done(self, worker: str, predicted_s: float, sequences: Sequence[Sequence[int]] = ()) -> None:
         """A routed group finished: its time leaves the queue, what it cached is remembered."""

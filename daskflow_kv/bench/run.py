@@ -268,6 +268,17 @@ def _throttled_part(cfg: dict, doc: dict, memory_limit: str) -> None:
         log(f"  throttled exp3 incomplete: {net['error']} (MODELED rows only for the missing points)")
 
 
+def calibration_tokens(cfg: dict, contexts: list[int]) -> int:
+    """The longest prefill to calibrate on: every experiment's context, so the planner and the
+    ``local`` router price the lengths they will predict (an exp 7 run once probed up to 256
+    tokens for 1,024-token documents, and its router's extrapolated prices were off by up to
+    2x: docs/simulation.md)."""
+    exps = set(cfg["experiments"])
+    return max([*(contexts if 1 in exps else []), cfg["exp2_context"] if {2, 4, 5} & exps else 0,
+                *(cfg["exp3_contexts"] if 3 in exps else []), cfg["exp6_context"] if 6 in exps else 0,
+                cfg["exp7_context"] if 7 in exps else 0, 256])
+
+
 def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progress: bool) -> None:
     """Experiments 1-7 on the local cluster (exp 3's throttled part runs elsewhere)."""
     from ..runtime.kv_runtime import KVRuntime
@@ -287,9 +298,7 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     t0 = time.time()
     limit = max_pos - cfg["max_new_tokens"] - 8
     contexts = sorted({min(c, limit) for c in cfg["contexts"]})
-    longest = max([*(contexts if 1 in exps else []), cfg["exp2_context"] if {2, 4, 5} & set(exps) else 0,
-                   *(cfg["exp3_contexts"] if 3 in exps else []), 256])
-    # calibrated over the lengths the planner will predict: fan-out contexts and exp 3's
+    longest = calibration_tokens(cfg, contexts)
     doc["calibration"] = rt.calibrate(probe_bytes=cfg.get("probe_mib", 32) << 20,
                                       probe_tokens=min(longest, max_pos - 16))
     b = S.make_bench(rt, workers)

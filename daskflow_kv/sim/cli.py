@@ -17,8 +17,9 @@ from pathlib import Path
 
 from . import ensemble, repeatability
 from .plot import plot_ratios
-from .profile import PRESETS, fitted_profile, preset_profile
-from .report import STREAMS, fidelity, measured_exp7, fidelity_summary, markdown, ratios, run_system, simulate_grid
+from .profile import PRESETS, ROUTER_PRICES, fitted_profile, preset_profile
+from .report import (STREAMS, fidelity, fidelity_summary, markdown, measured_exp7, ratios, run_system,
+                     simulate_grid)
 from .workload import exp7_stream, read_trace
 
 BENCH = "benchmarks/results/bench_full.json"
@@ -50,8 +51,11 @@ def _parser() -> argparse.ArgumentParser:
                         "scattered as the measured steps (needs --step-cost from a bench JSON): the model's spread "
                         "beside the measured one (default: no draws)")
     p.add_argument("--draws-against", nargs="+", default=[], metavar="BENCH_JSON",
-                   help="more bench JSONs with exp 7 rows: their rows are drawn too (each run's streams, its `local` router "
-                        "pricing as it did) and held against their own measurements")
+                   help="more bench JSONs with exp 7 rows, drawn too and held against their own measurements (each "
+                        "run's streams and host load; its `local` router's prices as --router-prices says)")
+    p.add_argument("--router-prices", choices=ROUTER_PRICES, default="as-run",
+                   help="what a replayed `local` row's router prices with: as the bench's router did where the run "
+                        "says (default), the modeled workers' fitted profiles, or each run's calibration")
     p.add_argument("--speed", action="store_true", help="also time 512 workers x 10,000 workflows (daskflow-kv)")
     p.add_argument("--out", default="benchmarks/results/simulation",
                    help="output stem: .json, .md and (several worker counts) .png (default %(default)s)")
@@ -99,11 +103,13 @@ def main(argv=None) -> int:
               "profile": {"name": profile.name, "source": profile.source, "bytes_per_token": profile.bytes_per_token},
               "grid": grid, "ratios": ratios(grid)}
     if not args.no_fidelity and not args.hardware and Path(args.profile_from).exists():
-        result["fidelity"] = fidelity(args.profile_from, profile)
+        result["fidelity"] = fidelity(args.profile_from, profile, router_prices=args.router_prices)
         result["fidelity_summary"] = fidelity_summary(result["fidelity"])
     if args.draws and not args.no_fidelity:
-        rows = ensemble.replay([args.profile_from, *args.draws_against], profile, args.draws, args.systems)
+        rows = ensemble.replay([args.profile_from, *args.draws_against], profile, args.draws, args.systems,
+                               args.router_prices)
         result["ensemble"] = {"draws": args.draws, "against": [args.profile_from, *args.draws_against],
+                              "router_prices": args.router_prices,
                               "rows": rows, "summary": ensemble.summary(rows)}
     if repeat is not None:
         result["repeatability"] = {"first": args.profile_from, "second": args.repeat_of, "rows": repeat,

@@ -71,7 +71,7 @@ class SimProfile:
     def slowed(self, factor: float) -> "SimProfile":
         """Every forward ``factor`` times slower (links unchanged): workers that get only part of
         their cores because other processes of the host (the clients, the scheduler) take the
-        rest."""
+        rest. ``router`` stays: the bench's router priced with its profiles, not the host's load."""
         if factor == 1.0:
             return self
         f = float(factor)
@@ -115,20 +115,37 @@ class SimProfile:
                               f"{Path(path).name} ({n['alone']} alone, {n['paired']} beside a peer's)")
 
 
-def router_profiles(data: dict, row: dict) -> tuple[PrefillProfile, ...] | None:
-    """The prefill profiles a measured ``local`` row's router priced with, workers in address
-    order (``fitted_profile``'s), where they are known: the row's record (``router_profiles``),
-    else - for a run that ran no daskflow-kv, whose prefills are what refits the runtime's
-    profiles - the run's calibration, which the router took when exp 7 began. None when
-    unknown (a run with daskflow-kv before exp 7 refitted them and did not record them)."""
-    profs = row.get("router_profiles")
-    if not profs and "dkv" not in ((data.get("config") or {}).get("systems") or ("dkv",)):
-        profs = (data.get("calibration") or {}).get("prefill_profiles")
+ROUTER_PRICES = ("as-run", "fitted", "calibration")  # what a replayed ``local`` router prices with
+
+
+def router_profiles(data: dict, row: dict, prices: str = "as-run") -> tuple[PrefillProfile, ...] | None:
+    """The prefill profiles a replay of a measured ``local`` row prices its router with, in
+    ``fitted_profile``'s worker order (None: the modeled workers' own, ``fitted``).
+
+    ``as-run``: what the bench's router priced with, where known - the row's record
+    (``router_profiles``), else the run's calibration if nothing refitted the runtime's
+    profiles before exp 7 began (no daskflow-kv and no exp 3 prefills: the router took the
+    calibration then); otherwise unknown, and None. ``calibration``: the run's calibration
+    for every row, known or not (a stand-in, for comparison)."""
+    cal = (data.get("calibration") or {}).get("prefill_profiles")
+    cfg = data.get("config") or {}
+    if prices == "fitted":
+        return None
+    if prices == "calibration":
+        profs = cal
+    elif prices == "as-run":
+        refitted = "dkv" in (cfg.get("systems") or ("dkv",)) or 3 in (cfg.get("experiments") or (3,))
+        profs = row.get("router_profiles") or (None if refitted else cal)
+    else:
+        raise ValueError(f"router prices {prices!r}: expected one of {', '.join(ROUTER_PRICES)}")
     if not profs:
         return None
+    order = sorted(data.get("prefill_profiles_end") or cal or profs)  # fitted_profile's modeled workers
+    if not set(profs) <= set(order):  # a worker the fit does not know (replaced mid-run): the router's own order
+        order = sorted(profs)
     zero = {"a": 0.0, "b": 0.0, "c": 0.0}  # the router prices a worker it has no profile for at nothing
     return tuple(PrefillProfile(float(p["a"]), float(p["b"]), float(p["c"]))
-                 for p in ((profs[w] or zero) for w in sorted(profs)))
+                 for p in ((profs.get(w) or zero) for w in order))
 
 
 def host_slowdown(cores: int, workers: int, other_cores: float) -> float:

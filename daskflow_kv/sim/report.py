@@ -21,6 +21,10 @@ from pathlib import Path
 
 from ..stats import percentile
 from .profile import host_slowdown, router_profiles
+
+# how a replayed ``local`` router priced, per ``--router-prices``
+ROUTER_NOTE = {"as-run": "as the bench's did where that is known, else as the modeled workers",
+               "fitted": "as the modeled workers", "calibration": "by its run's calibration"}
 from .step_cost import bench_step_rows, row_speed
 from .systems import DaskflowSystem, LocalSystem, TextSystem
 from .workload import exp7_stream
@@ -79,13 +83,14 @@ def exp7_budget(docs: int, context: int, bytes_per_token: int, workflows, fracti
 
 
 # -- fidelity ------------------------------------------------------------------------------------
-def measured_exp7(path: str | Path) -> tuple[dict, list[dict], int | None]:
-    """A bench JSON's config, its exp 7 rows and the cores of the machine it ran on."""
+def measured_exp7(path: str | Path, router_prices: str = "as-run") -> tuple[dict, list[dict], int | None]:
+    """A bench JSON's config, its exp 7 rows and the cores of the machine it ran on; a
+    ``local`` row's ``_router``: what its replay's router prices with (``router_profiles``)."""
     data = json.loads(Path(path).read_text())
     cores = (data.get("machine") or {}).get("cores")
-    # ``_router``: what a ``local`` row's router priced with (``profile.router_profiles``)
-    rows = [dict(r, _index=i, _router=router_profiles(data, r)) for i, r in enumerate(data.get("runs", []))
-            if r.get("exp") == "exp7"]
+    rows = [dict(r, _index=i) | ({"_router": router_profiles(data, r, router_prices)} if r.get("system") == "local"
+                                 else {})
+            for i, r in enumerate(data.get("runs", [])) if r.get("exp") == "exp7"]
     return data.get("config") or {}, rows, cores
 
 
@@ -122,11 +127,13 @@ class Replay:
         return run_system(self.system, prof.slowed(self.slowdown), self.workflows, self.workers, self.budget)
 
 
-def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[Replay]:
+def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text"),
+            router_prices: str = "as-run") -> list[Replay]:
     """Every measured exp 7 row of ``path`` of one of ``systems``, set up to be replayed. Step
     costs fitted on ``path``'s own workers are refitted for each row without that row's
-    steps, so that no row is replayed on costs it fed."""
-    cfg, rows, cores = measured_exp7(path)
+    steps, so that no row is replayed on costs it fed. A ``local`` row's router prices as
+    ``router_prices`` says (``profile.router_profiles``)."""
+    cfg, rows, cores = measured_exp7(path, router_prices)
     # step costs fitted on this very run's workers: each row replays on a fit of the others
     held_out = bool(profile.step_costs_from) and Path(profile.step_costs_from).resolve() == Path(path).resolve()
     n, docs = int(cfg.get("exp7_workflows", 16)), int(cfg.get("exp7_docs", 4))
@@ -142,17 +149,18 @@ def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text"))
                           arrival_seed=int(float(r["rate"]) * 1000) + int(r.get("rep", 0)))
         other, slowdown = host_load(r, cores, workers)
         prof = profile.with_step_costs(path, skip=r["_index"]) if held_out else profile
-        if system == "local" and r["_router"]:  # the router priced as it did in the run
+        if r.get("_router"):  # the bench's router priced with these in the run (or a stand-in)
             prof = replace(prof, router=r["_router"])
         out.append(Replay(r, system, kind, wfs, workers, r.get("kv_budget_bytes"), prof, slowdown, other, held_out))
     return out
 
 
-def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")) -> list[dict]:
+def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text"),
+             router_prices: str = "as-run") -> list[dict]:
     """Every measured exp 7 row of ``path`` replayed (``replays``): the simulated and measured
     throughput, p95 latency and tokens prefilled, and the error."""
     out = []
-    for case in replays(path, profile, systems):
+    for case in replays(path, profile, systems, router_prices):
         r, prof = case.row, case.profile
         sim = case.run()
         steps = bench_step_rows({"runs": [r]})
@@ -293,14 +301,17 @@ def markdown(result: dict) -> str:
     if ens:
         lines += [f"## The model's spread: {ens['draws']} draws a row (MODELED vs measured exp 7)", "",
                   "Each row replayed with every step's time drawn around its price, as scattered as the measured "
-                  "steps are around the same fit (a `local` row's router pricing as that run's did); the rows "
+                  f"steps are around the same fit (a `local` row's router priced "
+                  f"{ROUTER_NOTE[ens.get('router_prices', 'as-run')]}); the rows "
                   "of " + ", ".join(f"`{p}`" for p in ens["against"]) + ", each against its own run's "
                   "measurement. Error: the modeled median against the measured value.", "",
                   "| system | metric | error min | error max | error mean | within ±10 % | "
                   "measured within the draws |",
                   "|---|---|---|---|---|---|---|"]
         for x in ens["summary"]:
-            lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
+            rows_of = " (rows whose router priced with its run's prices)" if x.get("rows_of") == "run" else ""
+            lines.append(f"| {x['system']}{rows_of} | {x['metric']} | {100 * x['min']:+.0f} % | "
+                         f"{100 * x['max']:+.0f} % | "
                          f"{100 * x['mean']:+.0f} % | {x['within']}/{x['rows']} | {x['covered']}/{x['measured']} |")
         lines += ["", "| run | system | stream | rep | metric | measured | MODELED min / median / max |",
                   "|---|---|---|---|---|---|---|"]
@@ -308,7 +319,7 @@ def markdown(result: dict) -> str:
             for m in (m for m in METRICS if m in r):
                 x = r[m]
                 lines.append(f"| {r.get('run', '')} | {r['system']} | {r['stream']} | {r['rep']} | {m} | "
-                             f"{', '.join(_f(v) for v in x['measured'])} | {_f(x['modeled_min'])} / "
+                             f"{_f(x['measured'])} | {_f(x['modeled_min'])} / "
                              f"{_f(x['modeled_median'])} / {_f(x['modeled_max'])} |")
         lines.append("")
     rep = result.get("repeatability")
