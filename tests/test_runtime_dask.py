@@ -341,6 +341,26 @@ def test_bad_arguments_raise(rt):
 
 
 # -- calibration, and what is left behind ----------------------------------------------------
+def test_the_calibration_warms_each_worker_up_without_fitting_it(client, rt, workers):
+    """A worker's first forward pays one-time costs the calibration must not fit as every
+    prefill's fixed cost: each worker runs an untimed prefill first, and only the timed probes
+    reach the profile and the event log."""
+    from daskflow_kv.runtime import tasks
+
+    from daskflow_kv.bench.process_load import worker_load
+
+    t0 = time.time()  # the scheduler's clock: the same host
+    assert client.submit(tasks.warm_up, rt.spec, tuple(range(3, 67)), workers=[workers[0]], pure=False).result() == 64
+    steps = {w: x["steps"] for w, x in client.run(worker_load).items()}
+    rt.calibrate(probe_bytes=1 << 20, probe_tokens=256)
+    sizes = calibration_lengths(256)  # each one step of the step loop (under its 512-token chunk)
+    assert {w: x["steps"] - steps[w] for w, x in client.run(worker_load).items()} == {w: len(sizes) + 1 for w in workers}
+    probes = 2 * len(sizes)  # every length on both workers
+    since = lambda: [e.get("op") for ts, e in client.get_events(PREFILL_TOPIC) if ts >= t0]  # noqa: E731
+    assert wait_until(lambda: len(since()) >= probes)
+    assert since() == ["calibrate"] * probes  # the warm-ups reported nothing
+
+
 def test_calibration_feeds_the_auto_plan(client, rt, workers):
     a, b = workers
     before = {w: p["samples"] for w, p in rt.plugin.prefill_profiles().items()}

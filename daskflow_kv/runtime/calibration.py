@@ -96,6 +96,21 @@ def measure_link(client, src: str, dst: str, nbytes: int, device: str = "cpu") -
     return fit_link([timed_transfer(client, src, dst, n, device) for n in (small, nbytes, small)])
 
 
+def warm_up(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], n: int) -> None:
+    """An untimed ``n``-token prefill on every worker first (``tasks.warm_up``): the first
+    forward's one-time costs would otherwise be fitted as every prefill's fixed cost. A
+    worker that is lost here is found and reported by the timed probes."""
+    rng = random.Random(1)
+    tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(min(n, facts.max_positions - 1)))
+    futures = {w: client.submit(tasks.warm_up, spec, tokens, workers=[w], allow_other_workers=False, pure=False)
+               for w in workers}
+    for w, f in futures.items():
+        try:
+            settle(client, [f], [w])
+        except ProbeLost as e:
+            logger.warning("%s: warm-up: %s", w, e)
+
+
 def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> list[str]:
     """Prefill each length once on every worker, all workers at once but one length at a time
     (each reports its timing). -> the workers whose probes were lost (not measured).
@@ -106,6 +121,7 @@ def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, work
     """
     rng = random.Random(0)
     lost: list[str] = []
+    warm_up(client, spec, facts, workers, min(sizes))
     for n in sizes:
         n = min(n, facts.max_positions - 1)
         tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(n))
