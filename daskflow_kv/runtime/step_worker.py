@@ -51,9 +51,11 @@ def _stop_all() -> None:
 
 
 def engine_stats() -> dict[str, dict]:
-    """Every step loop of this process: ``EngineStats.as_dict()`` by model id."""
+    """Every step loop of this process: ``EngineStats.as_dict()`` by "<model id>#<n>" (two
+    runtimes of one model, with other block sizes, run a loop each: keyed by model id alone,
+    one loop's counts hid the other's)."""
     with _LOCK:
-        return {e.runner.fingerprint.model_id: e.stats.as_dict() for e in _ENGINES.values()}
+        return {f"{e.runner.fingerprint.model_id}#{i}": e.stats.as_dict() for i, e in enumerate(_ENGINES.values())}
 
 
 def recent_steps() -> list:
