@@ -117,3 +117,12 @@ def test_a_readme_without_blocks_is_refused_before_the_run(tmp_path, capsys):
     assert err.startswith("daskflow-kv bench: error: --readme") and len(err.splitlines()) == 1
     assert not list(tmp_path.glob("bench_*"))  # nothing ran
     assert rb.main([str(PUBLISHED), "--readme", str(plain)]) == 2
+
+
+def test_a_bench_run_of_some_experiments_rewrites_only_the_headline():
+    """``bench --experiments 1,7 --readme README.md`` once replaced benchmarks/README.md's full
+    results table with its two experiments."""
+    from daskflow_kv.bench.run import readme_blocks_of
+
+    assert readme_blocks_of({"experiments": [1, 7]}) == rb.HEADLINE_MARKERS
+    assert readme_blocks_of({"experiments": list(range(1, 9))}) is None

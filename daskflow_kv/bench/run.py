@@ -242,7 +242,7 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
             from .readme_blocks import update_readmes
 
             for line in update_readmes(readme, doc, doc["summary"], out_dir / f"bench_{tag}.json",
-                                       summary_path or out_dir / f"SUMMARY_{tag}.md"):
+                                       summary_path or out_dir / f"SUMMARY_{tag}.md", readme_blocks_of(cfg)):
                 log(line)
     return doc
 
@@ -266,6 +266,15 @@ def _throttled_part(cfg: dict, doc: dict, memory_limit: str) -> None:
     doc["netem"] = {"error": net.get("error"), "jobs": jobs, "seconds": time.time() - t0}
     if net.get("error"):
         log(f"  throttled exp3 incomplete: {net['error']} (MODELED rows only for the missing points)")
+
+
+def readme_blocks_of(cfg: dict):
+    """The README blocks a run rewrites (``readme_blocks.update_readmes``' ``only``): all for a
+    run of every experiment; the headline alone for a run of some, whose table would replace
+    the full run's results block with a part of it."""
+    from .readme_blocks import HEADLINE_MARKERS
+
+    return None if set(cfg["experiments"]) >= set(EXPERIMENTS) else HEADLINE_MARKERS
 
 
 def calibration_tokens(cfg: dict, contexts: list[int]) -> int:
