@@ -447,8 +447,9 @@ def _parser(prog: str = "daskflow-kv"):
 def _main(argv: list[str], prog: str) -> int:
     if argv[:1] == ["bench"]:  # own argument parsers: hand them the rest untouched
         from .bench.run import main as bench_main
+        from .sim.beside import simulate
 
-        return bench_main(argv[1:])
+        return bench_main(argv[1:], simulate_exp7=simulate)
     if argv[:1] == ["plan"]:
         from .bench.plan import main as plan_main
 

@@ -357,8 +357,9 @@ def test_the_calibration_warms_each_worker_up_without_fitting_it(client, rt, wor
     assert {w: x["steps"] - steps[w] for w, x in client.run(worker_load).items()} == {w: len(sizes) + 1 for w in workers}
     probes = 2 * len(sizes)  # every length on both workers
     since = lambda: [e.get("op") for ts, e in client.get_events(PREFILL_TOPIC) if ts >= t0]  # noqa: E731
-    assert wait_until(lambda: len(since()) >= probes)
-    assert since() == ["calibrate"] * probes  # the warm-ups reported nothing
+    assert wait_until(lambda: since().count("calibrate") >= probes)
+    ops = since()  # (a previous test's last timing may land here too)
+    assert ops.count("calibrate") == probes and "warm-up" not in ops  # the warm-ups reported nothing
 
 
 def test_calibration_feeds_the_auto_plan(client, rt, workers):

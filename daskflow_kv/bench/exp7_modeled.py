@@ -1,4 +1,6 @@
-"""Exp 7's measured rows beside their simulation (MODELED), for the run just made.
+"""Exp 7's measured rows beside their simulation (MODELED), for the run just made: the log
+lines and the SUMMARY section. The simulation itself is ``sim.beside.simulate`` (the
+simulator sits above the bench), handed to ``bench.run.main`` by ``daskflow-kv bench``.
 
 After a run with exp 7 rows the bench replays each of them with ``daskflow_kv.sim``'s
 fidelity check on the run's own fitted profile: the prefill profiles it ended on, its
@@ -11,27 +13,10 @@ where the model and the measurement part.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
-SYSTEMS = ("daskflow-kv", "local")
 METRICS = (("completed_per_min", "workflows/min", "{:.1f}"), ("latency_p95_s", "p95 s", "{:.1f}"),
            ("tokens_prefilled", "tokens prefilled", "{:,.0f}"))
-
-
-def simulate(path: str | Path) -> dict:
-    """``{"profile": where its prices come from, "steps_in_place": bool, "rows": fidelity rows}``
-    for every exp 7 row of the bench JSON at ``path``."""
-    from ..sim.profile import fitted_profile
-    from ..sim.report import fidelity
-    from ..sim.step_cost import bench_step_rows
-
-    profile = fitted_profile(path)
-    in_place = bool(bench_step_rows(json.loads(Path(path).read_text())))
-    if in_place:
-        profile = profile.with_step_costs(path)
-    return {"profile": profile.source, "steps_in_place": in_place, "rows": fidelity(path, profile, SYSTEMS)}
 
 
 def line(r: dict) -> str:

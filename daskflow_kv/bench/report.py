@@ -84,10 +84,11 @@ def plot(doc: dict, summary: list[dict], out_dir: Path, tag: str) -> list[Path]:
     return files
 
 
-def _simulate_exp7(doc: dict, path: Path) -> None:
-    """Each exp 7 row beside its simulation, read from the JSON just written, kept in it."""
+def _simulate_exp7(doc: dict, path: Path, simulate) -> None:
+    """Each exp 7 row beside its simulation (``simulate(path)``: ``sim.beside.simulate``),
+    read from the JSON just written, kept in it."""
     from .common import log
-    from .exp7_modeled import line, simulate
+    from .exp7_modeled import line
 
     try:
         doc["exp7_modeled"] = simulate(path)
@@ -99,14 +100,15 @@ def _simulate_exp7(doc: dict, path: Path) -> None:
     write_json(path, doc)
 
 
-def write_all(doc: dict, out_dir: Path, tag: str, plots: bool = True, summary_path: Path | None = None) -> list[Path]:
+def write_all(doc: dict, out_dir: Path, tag: str, plots: bool = True, summary_path: Path | None = None,
+              simulate_exp7=None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(doc.get("runs", []))
     doc["summary"] = summary
     doc["targets"] = targets(doc, summary)
     files = [write_json(out_dir / f"bench_{tag}.json", doc)]
-    if any(r.get("exp") == "exp7" for r in doc.get("runs", [])):
-        _simulate_exp7(doc, files[0])
+    if simulate_exp7 is not None and any(r.get("exp") == "exp7" for r in doc.get("runs", [])):
+        _simulate_exp7(doc, files[0], simulate_exp7)
     if doc.get("runs"):
         files.append(write_csv(out_dir / f"bench_{tag}_runs.csv", doc["runs"]))
         files.append(write_csv(out_dir / f"bench_{tag}_summary.csv", summary))

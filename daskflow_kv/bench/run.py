@@ -195,7 +195,8 @@ def _warm_up(b, systems, max_new) -> None:
 
 
 def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, progress: bool = True,
-        summary_path: Path | None = None, memory_limit: str = "8GiB", readme: Path | None = None) -> dict:
+        summary_path: Path | None = None, memory_limit: str = "8GiB", readme: Path | None = None,
+        simulate_exp7=None) -> dict:
     from distributed import Client
 
     from ..runtime.cluster import local_cluster
@@ -231,7 +232,7 @@ def run(cfg: dict, out_dir: Path, tag: str, command: str, plots: bool = True, pr
             raise
     finally:
         doc["total_s"] = time.time() - t_start
-        files = write_all(doc, out_dir, tag, plots=plots, summary_path=summary_path)
+        files = write_all(doc, out_dir, tag, plots=plots, summary_path=summary_path, simulate_exp7=simulate_exp7)
         if doc.get("parallel"):
             from .exp_parallel import write as write_parallel
 
@@ -378,8 +379,10 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
         doc["prefill_profiles_end"] = {w: {"a": p.a, "b": p.b, "c": p.c} for w, p in rt.view().prefill.items()}
 
 
-def main(argv=None) -> int:
-    """Exit status: 0 ok, 2 bad flags (one line on stderr), 3 some system's outputs differed."""
+def main(argv=None, simulate_exp7=None) -> int:
+    """Exit status: 0 ok, 2 bad flags (one line on stderr), 3 some system's outputs differed.
+    ``simulate_exp7``: ``sim.beside.simulate``, which ``daskflow-kv bench`` hands in (the
+    simulator sits above the bench): each exp 7 row is printed and kept beside its simulation."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parser().parse_args(argv)
     try:
@@ -403,7 +406,7 @@ def main(argv=None) -> int:
         return 2
     prog = "daskflow-kv bench" if argv is not None or "daskflow-kv" in sys.argv[0] else "python -m daskflow_kv.bench"
     doc = run(cfg, out_dir, tag, command_line(prog, argv), plots=not args.no_plots, progress=not args.no_progress,
-              summary_path=summary, memory_limit=args.memory_limit, readme=readme)
+              summary_path=summary, memory_limit=args.memory_limit, readme=readme, simulate_exp7=simulate_exp7)
     mismatched = sorted({r["system"] for r in doc.get("runs", []) if r.get("agree") is False})
     if mismatched:
         print(f"outputs differed from text replay for: {', '.join(mismatched)} (speeds not reported)")

@@ -96,19 +96,28 @@ def measure_link(client, src: str, dst: str, nbytes: int, device: str = "cpu") -
     return fit_link([timed_transfer(client, src, dst, n, device) for n in (small, nbytes, small)])
 
 
+def _on_each(client, fn, args: tuple, workers: list[str], what: str) -> dict:
+    """``fn(*args)`` on every one of ``workers`` at once, waited for without waiting on a dead
+    worker (``settle``): {worker: its future}, the lost ones left out (and logged)."""
+    futures = {w: client.submit(fn, *args, workers=[w], allow_other_workers=False, pure=False) for w in workers}
+    done = {}
+    for w, f in futures.items():
+        try:
+            settle(client, [f], [w])
+        except ProbeLost as e:
+            logger.warning("%s: %s: %s", w, what, e)
+            continue
+        done[w] = f
+    return done
+
+
 def warm_up(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], n: int) -> None:
     """An untimed ``n``-token prefill on every worker first (``tasks.warm_up``): the first
     forward's one-time costs would otherwise be fitted as every prefill's fixed cost. A
     worker that is lost here is found and reported by the timed probes."""
     rng = random.Random(1)
     tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(min(n, facts.max_positions - 1)))
-    futures = {w: client.submit(tasks.warm_up, spec, tokens, workers=[w], allow_other_workers=False, pure=False)
-               for w in workers}
-    for w, f in futures.items():
-        try:
-            settle(client, [f], [w])
-        except ProbeLost as e:
-            logger.warning("%s: warm-up: %s", w, e)
+    _on_each(client, tasks.warm_up, (spec, tokens), workers, "warm-up")
 
 
 def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> list[str]:
@@ -127,15 +136,9 @@ def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, work
         tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(n))
         req = tasks.PrefillRequest(tokens, 0, op="calibrate")
         live = [w for w in workers if w not in lost]
-        futures = {w: client.submit(tasks.prefill, spec, req, workers=[w], allow_other_workers=False, pure=False)
-                   for w in live}
-        for w, f in futures.items():
-            try:
-                settle(client, [f], [w])
-            except ProbeLost as e:
-                logger.warning("%s: %s", w, e)
-                lost.append(w)
-                continue
+        done = _on_each(client, tasks.prefill, (spec, req), live, "prefill probe")
+        lost += [w for w in live if w not in done]
+        for f in done.values():
             f.result()  # a failed probe says so here
     return lost
 
