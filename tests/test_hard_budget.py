@@ -31,7 +31,7 @@ def _run(rt, salt: str):
     the per-worker KV peaks sampled during the state runs."""
     flows = [_workflow(rt, f"{salt}-{i}") for i in range(3)]
     compile_ = lambda wf: wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)  # noqa: E731
-    rt.client.run(wt.start_sampler, interval=0.05)
+    rt.client.run(wt.start_sampler, interval=0.01)  # KV sampled every 5th tick: every 50 ms
     try:
         states = [run_state_mode(compile_(wf), rt) for wf in flows]
     finally:

@@ -206,12 +206,16 @@ def start_sampler(dask_worker=None, interval: float = 0.01) -> int:
 
 
 def stop_sampler(dask_worker=None) -> dict:
-    """Stop the sampler; {start_rss, peak_rss, peak_kv, start_kv, samples} (bytes)."""
+    """Stop the sampler; {start_rss, peak_rss, peak_kv, start_kv, samples} (bytes).
+    One last KV sample is taken at the stop: a run shorter than the sampling period (or
+    one whose sampler thread the model thread starved) still counts what it left held."""
     if not _SAMPLER:
         return {}
     _SAMPLER["stop"].set()
     _SAMPLER["thread"].join(timeout=2)
     state = dict(_SAMPLER["state"])
+    if dask_worker is not None:
+        state["peak_kv"] = max(state["peak_kv"], _kv_bytes(dask_worker))
     _SAMPLER.clear()
     return state
 
