@@ -11,6 +11,7 @@ import pytest
 from conftest import CONTEXT, SUFFIXES, assert_same_generation, make_engine, wait_until
 from distributed import Client
 
+from daskflow_kv import config
 from daskflow_kv.policy.cost_model import DEFAULT_LATENCY, LinkProfile, PrefillProfile, calibration_lengths, decide
 from daskflow_kv.runtime.calibration import probes_arrived
 from daskflow_kv.errors import IncompatibleStateError, StateReleasedError
@@ -338,6 +339,8 @@ def test_bad_arguments_raise(rt):
         rt.materialize([])
     with pytest.raises(ValueError):
         rt.fork(s, 0)
+    with pytest.raises(ValueError, match="probe_repeats"):  # before any probe runs
+        rt.calibrate(probe_repeats=0)
 
 
 # -- calibration, and what is left behind ----------------------------------------------------
@@ -352,10 +355,10 @@ def test_the_calibration_warms_each_worker_up_without_fitting_it(client, rt, wor
     t0 = time.time()  # the scheduler's clock: the same host
     assert client.submit(tasks.warm_up, rt.spec, tuple(range(3, 67)), workers=[workers[0]], pure=False).result() == 64
     steps = {w: x["steps"] for w, x in client.run(worker_load).items()}
-    rt.calibrate(probe_bytes=1 << 20, probe_tokens=256)
+    rt.calibrate(probe_bytes=1 << 20, probe_tokens=256, probe_repeats=2)
     sizes = calibration_lengths(256)  # each one step of the step loop (under its 512-token chunk)
-    assert {w: x["steps"] - steps[w] for w, x in client.run(worker_load).items()} == {w: len(sizes) + 1 for w in workers}
-    probes = 2 * len(sizes)  # every length on both workers
+    assert {w: x["steps"] - steps[w] for w, x in client.run(worker_load).items()} == {w: 2 * len(sizes) + 1 for w in workers}
+    probes = 2 * 2 * len(sizes)  # every length twice on both workers
     since = lambda: [e.get("op") for ts, e in client.get_events(PREFILL_TOPIC) if ts >= t0]  # noqa: E731
     assert wait_until(lambda: since().count("calibrate") >= probes)
     ops = since()  # (a previous test's last timing may land here too)
@@ -368,7 +371,8 @@ def test_calibration_feeds_the_auto_plan(client, rt, workers):
     cal = rt.calibrate(probe_bytes=4 << 20, probe_tokens=512)  # long enough for probes to overlap
     # every probe's timing came (probes sent together shared a batch and had none of their own:
     # the calibration waited out its 10 s deadline and reported one-sample profiles)
-    assert probes_arrived(cal["prefill_profiles"], before, workers, len(calibration_lengths(512)))
+    repeats = config.get("calibration.probe-repeats")
+    assert probes_arrived(cal["prefill_profiles"], before, workers, repeats * len(calibration_lengths(512)))
     assert set(cal["bandwidth"]) == {f"{a}->{b}", f"{b}->{a}"} and all(v > 0 for v in cal["bandwidth"].values())
     assert set(cal["prefill_profiles"]) == {a, b}
     root = rt.materialize(_ctx(rt, "calibrated"), worker=a)

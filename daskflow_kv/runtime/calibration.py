@@ -120,9 +120,16 @@ def warm_up(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: lis
     _on_each(client, tasks.warm_up, (spec, tokens), workers, "warm-up")
 
 
-def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes) -> list[str]:
-    """Prefill each length once on every worker, all workers at once but one length at a time
-    (each reports its timing). -> the workers whose probes were lost (not measured).
+def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, workers: list[str], sizes,
+                    repeats: int = 1) -> list[str]:
+    """Prefill each length ``repeats`` times on every worker, in rounds of all the lengths, all
+    workers at once but one length at a time (each reports its timing). -> the workers whose
+    probes were lost (not measured).
+
+    Rounds, not one length ``repeats`` times in a row: a slow spell of a busy host then lands
+    on different lengths, and the fit (on relative error) leans on each length's fast
+    samples; a single probe per length let one slow spell become the profile (a fixed cost of
+    0.30 s against 0.05 s fitted on a whole run's prefills, measured).
 
     One at a time per worker: probes submitted together join one running batch on the
     worker's step loop, and a prefill that shared its steps has no timing of its own (the
@@ -131,7 +138,7 @@ def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, work
     rng = random.Random(0)
     lost: list[str] = []
     warm_up(client, spec, facts, workers, min(sizes))
-    for n in sizes:
+    for n in [n for _ in range(repeats) for n in sizes]:
         n = min(n, facts.max_positions - 1)
         tokens = tuple(rng.randrange(3, facts.vocab_size) for _ in range(n))
         req = tasks.PrefillRequest(tokens, 0, op="calibrate")
@@ -167,11 +174,14 @@ class Calibrator:
         self.plugin.record_bandwidth(src, dst, link.bandwidth, link.latency)
         return link
 
-    def calibrate(self, probe_bytes: int | str | None = None, probe_tokens: int | None = None) -> dict:
+    def calibrate(self, probe_bytes: int | str | None = None, probe_tokens: int | None = None,
+                  probe_repeats: int | None = None) -> dict:
         """Measure every worker pair's bandwidth, every worker's prefill speed and the store's."""
         probe_bytes = validation.setting("calibration.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
         probe_tokens = validation.setting("calibration.probe-tokens", probe_tokens, "probe_tokens",
                                           validation.integer, minimum=8)  # it also prefills probe_tokens // 8
+        repeats = validation.setting("calibration.probe-repeats", probe_repeats, "probe_repeats",
+                                     validation.integer, minimum=1)
         workers = worker_addresses(self.client)
         bandwidth, latency = {}, {}
         for src, dst in itertools.permutations(workers, 2):
@@ -183,10 +193,10 @@ class Calibrator:
             bandwidth[f"{src}->{dst}"], latency[f"{src}->{dst}"] = link.bandwidth, link.latency
         sizes = calibration_lengths(probe_tokens)
         before = {w: p.get("samples", 0) for w, p in self.plugin.prefill_profiles().items()}
-        lost = measure_prefill(self.client, self.spec, self.facts, workers, sizes)
+        lost = measure_prefill(self.client, self.spec, self.facts, workers, sizes, repeats)
         deadline = time.time() + 10  # worker events reach the scheduler asynchronously
         profiles = self.plugin.prefill_profiles()
-        while not probes_arrived(profiles, before, [w for w in workers if w not in lost], len(sizes)) \
+        while not probes_arrived(profiles, before, [w for w in workers if w not in lost], len(sizes) * repeats) \
                 and time.time() < deadline:
             time.sleep(0.05)
             profiles = self.plugin.prefill_profiles()

@@ -129,7 +129,7 @@ class KVRuntime:
     decode = Delegate("codec.decode")  # token ids -> text, special tokens skipped
     view = Delegate("planner.view")  # -> ClusterView: what the planner sees now
     counters = Delegate("plugin.counters")  # the plugin's counters for this namespace
-    calibrate = Delegate("calibrator.calibrate")  # (probe_bytes, probe_tokens): links, prefill, store
+    calibrate = Delegate("calibrator.calibrate")  # (probe_bytes, probe_tokens, probe_repeats): links, prefill, store
     flush_store = Delegate("tier.flush")  # (timeout): wait for queued store writes; -> how many still pend
     calibrate_store = Delegate("tier.calibrate")  # (probe_bytes): one probe object written and read back
     store_profile = Delegate("tier.profile")  # -> StoreProfile measured on workers, None before any
