@@ -35,6 +35,8 @@ object with its own state (built at ``start``, given the parts it calls):
   checked (``kv_notes``), and what fails is refused before anything of it runs;
 * ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself;
 * ``engines`` (``kv_engines``): each worker's continuous-batching loop (batch, step time, queue);
+* ``gate`` (``kv_gate``): the workflow gate - at most so many running workflow runs per
+  worker, the rest waiting in line;
 * ``timeline`` (``kv_timeline``): finished workflows and periodic samples, for the KV page's
   live plots;
 * ``span_history`` (``kv_span_history``): Dask's spans forget the task groups a KV stream
@@ -70,6 +72,7 @@ from .handoff import HandoffPlugin
 from .kv_budget import BudgetEnforcer
 from .kv_client_api import ClientHandlers
 from .kv_events import EventLog
+from .kv_gate import WorkflowGate
 from .kv_leases import LeaseBook
 from .kv_lifecycle import BlockLifecycle
 from .kv_locality import Locality
@@ -139,6 +142,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     client_api: ClientHandlers  # the kv_* RPCs
     reports: WorkerReports  # workers' reports, each from the worker itself
     engines: EngineGauges  # each worker's continuous-batching loop, from its reports
+    gate: WorkflowGate  # running workflow runs per worker at most, the rest in line
     timeline: KVTimeline  # finished workflows and samples, for the KV page's live plots
 
     def __init__(
@@ -181,6 +185,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.engines = EngineGauges()
         self.timeline = KVTimeline()
         self.span_history = SpanHistory(s)
+        self.gate = WorkflowGate(s, settings, self.tenants)
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
         self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
@@ -197,6 +202,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self._build(scheduler)
         di.ensure_client(scheduler, CACHE_CLIENT)
         di.add_handlers(scheduler, self.client_api.handlers())
+        di.add_handlers(scheduler, self.gate.handlers())
         di.add_handlers(scheduler, {REPORT_HELLO_RPC: self.reports.hello})  # a worker asks for its token
         # On the sender's own stream (before any worker plugin or client could send them):
         di.add_stream_handlers(scheduler, {REPORT_OP: self.reports.report, BIND_OP: self.handle_bind})
@@ -222,6 +228,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
             self.locality.reschedule_orphans(f"kv-tick-{now}")
             self.locality.release_paused(now, f"kv-tick-{now}")
             self.budget.enforce()
+            self.gate.admit()  # runs that stopped asking leave the line
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv periodic check failed")
         try:
@@ -301,15 +308,18 @@ class KVSchedulerPlugin(SchedulerPlugin):
         rescheduled = self.locality.replace_lost(stimulus)
         dropped = self.lifecycle.drop_lost_cache_only(stimulus)
         self.event_log.record("worker-lost", None, worker=worker, rescheduled=rescheduled, dropped=dropped)
+        self.gate.admit()  # fewer places: nobody new goes in until runs end
 
     def add_worker(self, scheduler, worker) -> None:
         self.locality.reschedule_orphans(f"kv-worker-added-{time.time()}")
+        self.gate.admit()  # more places: the next in line go in now
 
     def remove_client(self, scheduler, client: str) -> None:
         """A client left (closed, or its process died): its sessions end and the states it
         registered are released - Dask already dropped its wants, so their blocks are the
         cache's now, evictable; nothing of it stays live in the catalog."""
         self.tenants.end_client(client)
+        self.gate.remove_client(client)
         for st in self.catalog.release_client(client):
             self.event_log.record("release", st.namespace, state_id=st.state_id, reason="client left")
         self.budget.note_change()

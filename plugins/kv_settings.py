@@ -2,8 +2,9 @@
 
 Read from ``dask.config["daskflow-kv"]`` (see ``daskflow-kv.yaml``) when the plugin is
 made, where an argument is left at None; the admin's ``kv_configure`` changes the budget
-and the memory weight while the cluster runs. Parts read a field when they decide, so a
-change applies to the next decision without telling each of them.
+and the memory weight while the cluster runs, ``kv_gate_configure`` the workflow gate. Parts
+read a field when they decide, so a change applies to the next decision without telling
+each of them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from daskflow_kv import config
+from daskflow_kv.policy.workflow_gate import valid_per_worker
 
 
 @dataclass(slots=True)
@@ -24,6 +26,7 @@ class KVSettings:
     prefill_samples: int  # prefill timings kept per worker for the profile fit
     session_ttl: float  # s a session lives unused
     register_wait: float  # s kv_register_states waits for its blocks' tasks to arrive
+    workflow_gate: float | None  # running workflow runs per worker at most (None: no limit; kv_gate)
 
     @classmethod
     def from_config(cls, kv_budget_bytes: int | str | None = None, memory_weight: float | None = None,
@@ -40,4 +43,5 @@ class KVSettings:
             prefill_samples=int(config.get("scheduler.prefill-samples")),
             session_ttl=config.get_seconds("scheduler.session-ttl"),
             register_wait=config.get_seconds("scheduler.register-wait"),
+            workflow_gate=valid_per_worker(config.get("scheduler.workflow-gate")),
         )

@@ -91,7 +91,7 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
     from daskflow_kv.sim.beside import simulate  # what ``daskflow-kv bench`` hands it
 
     rc = bench_main(["--profile", "smoke", "--out", str(tmp_path), "--tag", "m", "--no-progress", "--no-plots",
-                     "--experiments", "6,7"], simulate_exp7=simulate)
+                     "--experiments", "6,7", "--exp7-gates", "none", "0.5"], simulate_exp7=simulate)
     assert rc == 0
     doc = json.loads((tmp_path / "bench_m.json").read_text())
     runs = doc["runs"]
@@ -115,12 +115,21 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
                 assert set(r["router_profiles"]) == set(r["step_busy_s"])
                 for p in r["router_profiles"].values():  # a fit: no negative term, not all zero
                     assert min(p.values()) >= 0 and sum(p.values()) > 0
+    # every system once without a gate and once behind one place (half a run per worker, 2
+    # workers): four workflows arriving within a second, so the later ones waited in line
+    exp7 = [r for r in runs if r["exp"] == "exp7"]
+    assert sorted({(r["system"], r["workflow_gate"]) for r in exp7}, key=str) == sorted(
+        {(s, g) for s in ("local", "dkv") for g in (None, 0.5)}, key=str)
+    for r in exp7:
+        assert r["point"].endswith("gate 0.5") == (r["workflow_gate"] == 0.5)
+        assert (r["gate_wait_mean_s"] > 0) if r["workflow_gate"] else (r["gate_wait_mean_s"] < 0.5)
     # each exp 7 row beside its simulation, on the run's own profile (sim.report.fidelity)
     modeled = doc["exp7_modeled"]["rows"]
     assert doc["exp7_modeled"]["profile"].startswith("calibration of bench_m.json")
     assert doc["exp7_modeled"]["steps_in_place"] is False  # no step shapes recorded
-    assert sorted((m["system"], m["stream"], m["rep"]) for m in modeled) == sorted(
-        ({"dkv": "daskflow-kv"}.get(r["system"], r["system"]), r["stream"], r["rep"]) for r in runs if r["exp"] == "exp7")
+    assert sorted((m["system"], m["stream"], m["rep"], str(m["workflow_gate"])) for m in modeled) == sorted(
+        ({"dkv": "daskflow-kv"}.get(r["system"], r["system"]), r["stream"], r["rep"], str(r["workflow_gate"]))
+        for r in runs if r["exp"] == "exp7")
     for m in modeled:
         assert m["label"] == "MODELED" and m["completed_per_min"]["simulated"] > 0
         assert m["tokens_prefilled"]["simulated"] > 0 and m["tokens_prefilled"]["measured"] > 0

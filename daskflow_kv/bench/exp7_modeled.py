@@ -21,7 +21,7 @@ METRICS = (("completed_per_min", "workflows/min", "{:.1f}"), ("latency_p95_s", "
 
 def line(r: dict) -> str:
     """One row, measured beside MODELED, for the bench's log."""
-    return f"exp7 {r['stream']} r{r['rep']} {r['system']}: " + "; ".join(
+    return f"exp7 {_stream(r)} r{r['rep']} {r['system']}: " + "; ".join(
         f"{name} {_cell(r[m], fmt, ' measured, ', ' MODELED')}" for m, name, fmt in METRICS)
 
 
@@ -42,9 +42,14 @@ def lines(doc: dict) -> list[str]:
             "| system | stream | rep | " + " | ".join(f"{n} measured / MODELED (error)" for _, n, _ in METRICS) + " |",
             "|---|---|---|" + "---|" * len(METRICS)]
     for r in modeled["rows"]:
-        out.append(f"| {r['system']} | {r['stream']} | {r['rep']} | "
+        out.append(f"| {r['system']} | {_stream(r)} | {r['rep']} | "
                    + " | ".join(_cell(r[m], fmt) for m, _, fmt in METRICS) + " |")
     return out + [""]
+
+
+def _stream(r: dict) -> str:
+    """A row's stream, and its workflow gate where it had one."""
+    return r["stream"] + ("" if r.get("workflow_gate") is None else f" gate {r['workflow_gate']:g}")
 
 
 def _cell(x: dict, fmt: str, between: str = " / ", after: str = "") -> str:

@@ -51,14 +51,14 @@ def _run_one(b: S.Bench, system: str, wf) -> dict:
         out = run_local_mode(cw, b)
         return {"tokens": {n: a["tokens"] for n, a in out["agents"].items()},
                 "first": [a["first_token_at"] for a in out["agents"].values()], "prefilled": sum(out["level_tokens"]),
-                "prefills": out["prefills"], "decisions": {}}
+                "prefills": out["prefills"], "decisions": {}, "gate_wait_s": out["gate_wait_s"]}
     res = run_text_mode(cw, rt) if system == "text" else run_state_mode(cw, rt)
     decisions: dict[str, int] = {}
     for a in res.agents.values():
         decisions[a.decision] = decisions.get(a.decision, 0) + 1
     return {"tokens": {n: a.tokens for n, a in res.agents.items()},
             "first": [a.first_token_at for a in res.agents.values()], "prefilled": sum(res.level_tokens_computed),
-            "prefills": res.prefills, "decisions": decisions,
+            "prefills": res.prefills, "decisions": decisions, "gate_wait_s": res.gate_wait_s,
             "plan_errors": [a.planned_finish_at - a.finished_at for a in res.agents.values() if a.planned_finish_at]}
 
 
@@ -107,8 +107,13 @@ def evidence(records: list[dict]) -> dict:
     return {"prefill_by_op": by_op, "prefill_by_worker": by_worker, "repeat_prefill_tokens": repeat}
 
 
+def point(kind: str, rate: float, gate: float | None = None) -> str:
+    """An exp 7 row's point: its stream and rate, and the workflow gate where there was one."""
+    return f"{kind} {rate:g}/min" + ("" if gate is None else f" gate {gate:g}")
+
+
 def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref: dict | None, arrivals,
-         text_tokens: int | None, counters: dict, budget: int | None) -> dict:
+         text_tokens: int | None, counters: dict, budget: int | None, gate: float | None = None) -> dict:
     n = len(arrivals)
     ok = [r for r in records if "error" not in r]
     lat = sorted(r["done"] - r["arrived"] for r in ok)
@@ -125,7 +130,9 @@ def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref
             decisions[a] = decisions.get(a, 0) + k
     plan = [abs(e) for r in ok for e in r.get("plan_errors", ())]
     return {
-        "exp": "exp7", "point": f"{kind} {rate:g}/min", "stream": kind, "rate": rate, "rep": rep, "system": system,
+        "exp": "exp7", "point": point(kind, rate, gate), "stream": kind, "rate": rate, "rep": rep, "system": system,
+        "workflow_gate": gate,  # running workflows per worker at most (None: no gate)
+        "gate_wait_mean_s": statistics.fmean([r.get("gate_wait_s", 0.0) for r in ok]) if ok else math.nan,
         "phase": "stream", "agree": agree, "workflows": n, "completed": len(ok), "failed": n - len(ok),
         "errors": [r["error"] for r in records if "error" in r], "kv_budget_bytes": budget,
         "offered_per_min": offered, "completed_per_min": per_min,
@@ -151,9 +158,11 @@ def _local_evictions(client) -> dict:
 
 
 def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, systems, reps: int = 1,
-         streams=STREAMS, budget_fraction: float = 0.25, zipf_s: float = 1.1,
+         streams=STREAMS, budget_fraction: float = 0.25, zipf_s: float = 1.1, gates=(None,),
          progress: Progress | None = None) -> list[dict]:
-    """Every stream kind at each rate (ascending, up to saturation), ``reps`` times per rate."""
+    """Every stream kind at each rate (ascending, up to saturation), ``reps`` times per rate;
+    each system once per workflow gate of ``gates`` (running workflows per worker, None: no
+    gate), side by side in the same repetition."""
     from distributed import Client
 
     from ..runtime.kv_runtime import KVRuntime
@@ -186,10 +195,10 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
                 saturated = set()
                 for rep in range(reps):
                     arrivals = schedule(n, rate, doc_of, seed=int(rate * 1000) + rep)
-                    order = systems if rep % 2 == 0 else systems[::-1]
-                    for system in order:
+                    order = [(s, g) for s in systems for g in gates]
+                    for system, gate in order if rep % 2 == 0 else order[::-1]:
                         rows.append(_one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref,
-                                         text_tokens, budget, progress))
+                                         text_tokens, budget, progress, gate))
                         if rows[-1]["saturated"]:
                             saturated.add(system)
                 if saturated >= set(systems):
@@ -199,11 +208,13 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
     for x in benches:
         x.retain_bytes = le.DEFAULT_RETAIN
     rt.configure(unset_budget=True)
+    rt.set_workflow_gate(None)
     S.reset_caches(b)
     return rows
 
 
-def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, text_tokens, budget, progress):
+def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, text_tokens, budget, progress,
+         gate=None):
     b = benches[0]
     rt = b.rt
     S.reset_caches(b)
@@ -211,6 +222,7 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         x.retain_bytes = budget if budget is not None else le.DEFAULT_RETAIN
     if budget is not None:
         rt.configure(kv_budget_bytes=budget)
+    rt.set_workflow_gate(gate)  # for both clients: the gate is the cluster's
     before = _counters(rt) if system == "dkv" else _local_evictions(b.client)
     for x in benches:  # the row's own plans only (the bench's runtimes: nothing else reads this log)
         x.rt.decisions.clear()
@@ -224,8 +236,9 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     after = _counters(rt) if system == "dkv" else _local_evictions(b.client)
     if budget is not None:
         rt.configure(unset_budget=True)
+    rt.set_workflow_gate(None)
     delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
-    row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget) | load
+    row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget, gate) | load
     if system == "local":  # what the router priced with (refreshed at exp 7's start): a replay needs it
         row["router_profiles"] = b.router.priced_by()
     if system == "dkv":
@@ -235,6 +248,6 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     if row["errors"]:
         log(f"  !! {system} {kind} {rate:g}/min rep {rep}: {len(row['errors'])} workflows failed: {row['errors'][0]}")
     if progress:
-        progress.step(f"exp7 {kind} {rate:g}/min r{rep} {system} {row['completed_per_min']:.1f}/min "
+        progress.step(f"exp7 {row['point']} r{rep} {system} {row['completed_per_min']:.1f}/min "
                       f"p95 {row['latency_p95_s']:.1f}s prefilled {row['tokens_prefilled']} ({time.time() - t0:.0f}s)")
     return row

@@ -29,6 +29,8 @@ import time
 from ..flow.compiler import compile_workflow, group_by_prefix
 from ..flow.executor import run_state_mode, run_text_mode
 from ..flow.prompts import prompt_tokens
+from ..runtime.workflow_gate import admitted
+from ..runtime.workflow_run import new_run_name
 from ..workflows import debate, planner_solvers
 from . import systems as S
 from .common import Progress, log
@@ -51,7 +53,15 @@ def build(name: str, tokenizer, context: int, max_new: int, salt: str):
 # -- the local baseline over a compiled workflow ----------------------------------------------------
 def run_local_mode(cw, b: S.Bench) -> dict:
     """Level by level like the executor; each group of agents sharing a prefix is routed
-    over the per-worker engines and decoded as a batch there. {agents, wall_s, ...}."""
+    over the per-worker engines and decoded as a batch there. {agents, wall_s, ...}. It passes
+    the cluster's workflow gate as the executor's modes do."""
+    with admitted(b.rt.plugin, new_run_name(cw.workflow.name)) as waited:
+        out = _local_levels(cw, b)
+    out["gate_wait_s"] = waited
+    return out
+
+
+def _local_levels(cw, b: S.Bench) -> dict:
     rt, wf = b.rt, cw.workflow
     outputs: dict[str, str] = {}
     agents: dict[str, dict] = {}

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exp6-context", type=int, help="exp6 shared context (tokens)")
     ap.add_argument("--exp7-rates", type=float, nargs="+", help="exp7 arrival rates, workflows per minute")
     ap.add_argument("--exp7-workflows", type=int, help="exp7 workflows per stream")
+    ap.add_argument("--exp7-gates", nargs="+", metavar="N|none", type=_gate,
+                    help="exp7 workflow gates, running workflows per worker (none: no gate); every system runs "
+                         "once per gate, side by side (default: none)")
     ap.add_argument("--exp7-streams", nargs="+", choices=["uniform", "zipf", "zipf-budget"],
                     help="exp7 stream kinds (documents in turn, Zipf-drawn, Zipf under a KV budget)")
     ap.add_argument("--parallel-contexts", type=int, nargs="+", help="exp8 materialize context lengths")
@@ -109,10 +112,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _gate(text: str) -> float | str | None:
+    """``--exp7-gates`` values: none, or a number (checked with the rest in ``check``)."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text  # refused by ``check``, with the flag's name
+
+
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_streams", "parallel_contexts",
+                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_streams", "exp7_gates", "parallel_contexts",
                 "parallel_exp1_contexts"):
         v = getattr(args, key)
         if v is not None:
@@ -174,6 +187,8 @@ def check(cfg: dict) -> dict:
     cfg["exp6_context"] = v.integer("--exp6-context", cfg["exp6_context"], minimum=1)
     cfg["exp7_rates"] = [v.number("--exp7-rates", r, above=0) for r in cfg["exp7_rates"]]
     cfg["exp7_workflows"] = v.integer("--exp7-workflows", cfg["exp7_workflows"], minimum=1)
+    cfg["exp7_gates"] = [None if g is None else v.number("--exp7-gates", g, above=0)
+                         for g in cfg.get("exp7_gates") or [None]]
     if 3 in exps and cfg["workers"] < 2:
         raise InvalidInputError("experiment 3 moves KV between two workers: --workers must be >= 2 with it")
     if 8 in exps and max(cfg["parallel_widths"]) > cfg["workers"]:
@@ -322,8 +337,8 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     flows = [s for s in systems if s in ("text", "local", "dkv")]  # exp 6 and 7 run these
     n_steps += cfg["reps"] * len(cfg["exp6_workflows"]) * len(flows) if 6 in exps else 0
     exp7_flows = [s for s in flows if s != "text"]  # text replay runs once per stream kind
-    n_steps += len(cfg["exp7_streams"]) * (1 + cfg["reps"] * len(cfg["exp7_rates"]) * len(exp7_flows)) \
-        if 7 in exps else 0
+    n_steps += len(cfg["exp7_streams"]) * (1 + cfg["reps"] * len(cfg["exp7_rates"]) * len(exp7_flows)
+                                           * len(cfg["exp7_gates"])) if 7 in exps else 0
     if 8 in exps:
         n_steps += cfg["reps"] * (len(cfg["parallel_contexts"]) * len(cfg["parallel_widths"])
                                   + 5 * len(cfg["parallel_exp1_contexts"]))
@@ -366,7 +381,7 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
                                                          cfg["exp7_docs"], cfg["exp7_context"],
                                                          cfg["max_new_tokens"], systems, cfg["reps"],
                                                          cfg["exp7_streams"], cfg["exp7_budget_fraction"],
-                                                         progress=bar)))
+                                                         gates=cfg["exp7_gates"], progress=bar)))
         if 8 in exps:  # parallel materialize: W workers prefill one context together
             from .exp_parallel import run as run_parallel
 

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 from .. import validation
 from ..errors import KVPreempted
-from ..runtime.workflow_run import workflow_run
+from ..runtime.workflow_gate import admitted
+from ..runtime.workflow_run import new_run_name, workflow_run
 from . import html_repr
 from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
 from .prompts import prompt_tokens
@@ -70,6 +71,7 @@ class WorkflowResult:
     # every prefill the run made: {"level", "op" (materialize | resume | recompute), "worker", "tokens"}
     prefills: list[dict] = field(default_factory=list)
     preemptions: int = 0  # levels redone because the budget preempted them to break a deadlock
+    gate_wait_s: float = 0.0  # s in the workflow gate's line before it started (wall_s and TTFTs count after)
 
     @property
     def generated_tokens(self) -> int:
@@ -87,6 +89,7 @@ class WorkflowResult:
             "agents": {n: asdict(a) for n, a in self.agents.items()},
             "lineage": self.lineage,
             "preemptions": self.preemptions,
+            "gate_wait_s": self.gate_wait_s,
         }
 
 
@@ -118,6 +121,13 @@ def _metrics(gen) -> dict:
 
 
 def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
+    with admitted(rt.plugin, new_run_name(cw.workflow.name)) as waited:  # the workflow gate, as state mode
+        result = _run_text_levels(cw, rt, progress)
+    result.gate_wait_s = waited
+    return result
+
+
+def _run_text_levels(cw: CompiledWorkflow, rt, progress) -> WorkflowResult:
     wf = cw.workflow
     outputs: dict[str, str] = {}
     results: dict[str, AgentResult] = {}
@@ -151,9 +161,12 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
     "auto", 1, W; None: ``daskflow-kv.parallel.materialize``)."""
     with workflow_run(cw.workflow.name) as run:  # under a budget, its tasks keep this run's place in line
         try:
-            return _run_levels(cw, rt, progress, parallel)
+            with admitted(rt.plugin, run) as waited:  # the workflow gate: at most so many runs per worker
+                result = _run_levels(cw, rt, progress, parallel)
         finally:
             rt.end_run(run)
+    result.gate_wait_s = waited
+    return result
 
 
 def _run_levels(cw: CompiledWorkflow, rt, progress, parallel) -> WorkflowResult:

@@ -23,6 +23,7 @@ from ..model.sampling import GREEDY, SamplingParams
 from ..model.text_codec import TextCodec
 from ..policy.cost_model import explain
 from ..policy.placement import POLICIES
+from ..policy.workflow_gate import valid_per_worker
 from ..state import compat
 from ..state.blocks import keyed_digest
 from ..transport import serialization  # noqa: F401  -- this client reads tensors (logits) too
@@ -139,6 +140,11 @@ class KVRuntime:
         kv_budget_bytes = validation.optional("kv_budget_bytes", kv_budget_bytes, validation.byte_size, minimum=0)
         memory_weight = validation.optional("memory_weight", memory_weight, validation.number, minimum=0)
         self.plugin.configure(kv_budget_bytes, memory_weight, unset_budget)
+
+    def set_workflow_gate(self, per_worker: float | None) -> dict:
+        """Admin: at most ``per_worker`` running workflow runs per worker (None: no limit), the
+        rest waiting in line (``daskflow-kv.scheduler.workflow-gate``). -> the gate now."""
+        return self.plugin.gate_configure(valid_per_worker(per_worker))
 
     def _check(self, state: DistKVState, name: str = "state") -> None:
         validation.instance(name, state, DistKVState)

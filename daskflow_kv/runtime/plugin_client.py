@@ -139,6 +139,18 @@ class PluginClient:
         """A workflow run of this session ended: it holds nothing any more (see ``kv_budget``)."""
         self.call("kv_run_done", flow=flow)
 
+    # -- the workflow gate (plugins/kv_gate.py) ------------------------------------------------------
+    def gate_enter(self, flow: str, wait: float) -> dict:
+        """Run ``flow`` of this session waits in the gate's line, at most ``wait`` s per call."""
+        return self.call("kv_gate_enter", flow=flow, wait=wait)
+
+    def gate_leave(self, flow: str) -> bool:
+        return self.call("kv_gate_leave", flow=flow)
+
+    def gate_configure(self, per_worker: float | None) -> dict:
+        """Admin: running workflow runs per worker at most (None: no limit)."""
+        return self.call("kv_gate_configure", per_worker=per_worker)
+
     # -- introspection -------------------------------------------------------------------------------
     def counters(self) -> dict:
         return self.call("kv_counters")

@@ -18,10 +18,15 @@ from contextvars import ContextVar
 _RUN: ContextVar[str | None] = ContextVar("daskflow_kv_workflow_run", default=None)
 
 
+def new_run_name(name: str = "run") -> str:
+    """A workflow run's name: the workflow's, cut short, made unique."""
+    return f"{name[:40]}-{uuid.uuid4().hex[:12]}"
+
+
 @contextmanager
 def workflow_run(name: str = "run") -> Iterator[str]:
     """What is submitted inside (this thread or task) belongs to one new workflow run."""
-    token = _RUN.set(f"{name[:40]}-{uuid.uuid4().hex[:12]}")
+    token = _RUN.set(new_run_name(name))
     try:
         yield _RUN.get()
     finally:

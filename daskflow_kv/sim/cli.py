@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-per-worker", type=float, default=18.0,
                    help="workflows/min offered per worker (default %(default)s: exp 7's 36/min on 2 workers)")
     p.add_argument("--workflow-gate", type=float, metavar="N",
-                   help="what-if: at most N running workflows per worker, the rest wait in arrival order, for "
-                        "every system (the runtime has no such gate; default: none)")
+                   help="the workflow gate (daskflow-kv.scheduler.workflow-gate): at most N running workflows per "
+                        "worker, the rest wait in line, for every system (default: none)")
     p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
     p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
     p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                      "recorded their steps (the scatter the draws take)")
     if args.draws_against and not args.draws:
         parser.error("--draws-against needs --draws")
-    if args.workflow_gate is not None and not args.workflow_gate > 0:
+    if args.workflow_gate is not None and not 0 < args.workflow_gate < math.inf:
         parser.error(f"--workflow-gate {args.workflow_gate}: give running workflows per worker, more than 0")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.trace:

@@ -124,7 +124,8 @@ class Replay:
     def run(self, profile=None) -> dict:
         """``run_system`` on this row (with ``profile`` in place of its own, if given)."""
         prof = self.profile if profile is None else profile
-        return run_system(self.system, prof.slowed(self.slowdown), self.workflows, self.workers, self.budget)
+        return run_system(self.system, prof.slowed(self.slowdown), self.workflows, self.workers, self.budget,
+                          gate=self.row.get("workflow_gate"))  # the workflow gate it ran behind, if any
 
 
 def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text"),
@@ -166,6 +167,7 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
         steps = bench_step_rows({"runs": [r]})
         speed = row_speed(steps[0], *prof.step_costs) if steps and prof.step_costs else None
         row = {"label": LABEL, "system": case.system, "stream": case.stream, "rate": r["rate"], "rep": r.get("rep", 0),
+               "workflow_gate": r.get("workflow_gate"),
                "workers": case.workers, "offered_sim": sim["offered_per_min"],
                "offered_measured": r.get("offered_per_min"), "other_cores": case.other_cores,
                "slowdown": case.slowdown, "steps_priced_held_out": case.held_out,
@@ -228,7 +230,7 @@ def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv",
     saturating 36/min on 2 workers (18/min per worker), ``per_worker`` workflows and
     ``docs_per_worker`` documents per worker; the budget is exp 7's rule at 2 workers (a
     fixed number of bytes per worker, so a worker holds about one document as N grows).
-    ``gate``: running workflows per worker at most, for every system (``System``'s what-if)."""
+    ``gate``: running workflows per worker at most, for every system (``policy.workflow_gate``)."""
     rows = []
     for n_workers in workers:
         n = min(max_workflows, max(min_workflows, per_worker * n_workers))

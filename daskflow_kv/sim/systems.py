@@ -31,6 +31,7 @@ import numpy as np
 from ..policy.admission import ADMIT, FAIL, admit
 from ..policy.cluster_view import CachedBlock, ClusterView, PrefixMatch, WorkerLoad
 from ..policy.placement import batch_seconds, held_prefix, materialize_policy, plan_placements
+from ..policy.workflow_gate import GateLine, gate_slots
 from .blocks import LRUCache, Directory, Held, Ledger, chain, common_prefix
 from .loop import EventLoop
 from .worker import ModeledWorker, QueueBoard, Request
@@ -85,11 +86,10 @@ class System:
         self.bytes_transferred = 0
         self.evictions = 0
         self._rid = 0
-        # A what-if the runtime does not have: at most ``gate`` running workflows per worker,
-        # the rest waiting in arrival order (None: every workflow starts when it arrives).
-        self.gate = None if gate is None else max(1, int(gate * n_workers))
-        self.running_flows = 0
-        self.gated: deque[_Flow] = deque()
+        # The runtime's workflow gate (``policy.workflow_gate``): at most ``gate`` running
+        # workflows per worker, the rest waiting in line (None: every one starts when it arrives).
+        self.slots = gate_slots(gate, n_workers)
+        self.line = GateLine()
 
     # -- driving -------------------------------------------------------------------------
     def run(self, workflows) -> list[_Flow]:
@@ -101,12 +101,13 @@ class System:
         return self.flows
 
     def _arrive(self, f: _Flow) -> None:
-        if self.gate is not None and self.running_flows >= self.gate:
-            self.gated.append(f)  # its latency counts this wait: it runs from its arrival
-            return
-        self.running_flows += 1
-        f.started = self.loop.now
-        self._next_level(f)
+        self.line.arrive(f)  # its latency counts any wait here: it runs from its arrival
+        self._start(self.line.admit(self.slots))
+
+    def _start(self, admitted: list[_Flow]) -> None:
+        for f in admitted:
+            f.started = self.loop.now
+            self._next_level(f)
 
     def _next_level(self, f: _Flow) -> None:
         f.level += 1
@@ -121,9 +122,8 @@ class System:
 
     def _leave(self, f: _Flow) -> None:
         """``f`` is done or failed: its place goes to the next workflow waiting at the gate."""
-        self.running_flows -= 1
-        if self.gated:
-            self._arrive(self.gated.popleft())
+        self.line.leave(f)
+        self._start(self.line.admit(self.slots))
 
     def _call_done(self, f: _Flow) -> None:
         f.pending -= 1

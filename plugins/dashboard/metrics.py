@@ -229,6 +229,8 @@ class KVMetricsCollector:
         yield GaugeMetricFamily(PREFIX + "worker_budget_bytes", "Per-worker KV byte budget")
         for name, doc in ENGINE_FAMILIES:
             yield GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+        for name, doc in GATE_FAMILIES:
+            yield GaugeMetricFamily(PREFIX + name, doc)
         yield GaugeMetricFamily(PREFIX + "states", "Catalogued KV states by status", labels=["status"])
         yield GaugeMetricFamily(PREFIX + "blocks", "Catalogued KV blocks by status", labels=["status"])
         for fam, doc, labels in TENANT_FAMILIES:
@@ -255,6 +257,7 @@ class KVMetricsCollector:
             yield GaugeMetricFamily(PREFIX + "worker_budget_bytes", "Per-worker KV byte budget",
                                     value=snap["kv_budget_bytes"])
         yield from _engine_families(plugin, scheduler)
+        yield from _gate_families(plugin)
         rows = read_catalog(plugin)
         states, blocks = status_counts(plugin, rows)
         for fam, counts, doc in (("states", states, "Catalogued KV states by status"),
@@ -295,6 +298,28 @@ def _engine_families(plugin, scheduler):
         for addr, e in gauges.items():
             g.add_metric([addr], e[_ENGINE_FIELDS[name]])
         yield g
+
+
+# The workflow gate (``kv_gate``), cluster-wide counts only: no tenant's runs are named here.
+GATE_FAMILIES = (
+    ("workflows_running", "Workflow runs inside the workflow gate (every run passes it, limit or not)"),
+    ("workflows_waiting", "Workflow runs waiting in the workflow gate's line"),
+    ("workflow_gate_slots", "Workflow runs the gate lets in at once (absent: no limit)"),
+)
+
+
+def _gate_families(plugin):
+    from prometheus_client.core import GaugeMetricFamily
+
+    gate = getattr(plugin, "gate", None)
+    if gate is None:
+        return
+    view = gate.view()
+    values = {"workflows_running": view["running"], "workflows_waiting": view["waiting"],
+              "workflow_gate_slots": view["slots"]}
+    for name, doc in GATE_FAMILIES:
+        if values[name] is not None:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=values[name])
 
 
 _lock = threading.Lock()

@@ -1,0 +1,125 @@
+"""The workflow gate on a real cluster, played by two tenants and the admin.
+
+One place (half a run per worker, two workers): three workflows sent at once run one after
+another, the later ones waiting in line, with text mode's tokens. A tenant can neither set
+the limit nor take another's run out; a client that dies inside, or a run that stops
+asking, frees its place; the admin raising the limit lets the line in at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from conftest import wait_until
+from daskflow_kv.flow.executor import run_state_mode, run_text_mode
+from daskflow_kv.plugins.dashboard.metrics import generate
+from daskflow_kv.plugins.tenants import AccessDenied
+from daskflow_kv.workflows import WORKFLOWS
+from tenancy_kit import plugin, runtime, tenant, tenant_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with tenant_cluster(**{"scheduler.workflow-gate": 0.5}) as c:  # 2 workers: one place
+        yield c
+
+
+alice = tenant("alice")
+bob = tenant("bob")
+ops = tenant("ops")
+
+
+def _compiled(rt, salt: str):
+    wf = WORKFLOWS["rag"](tokenizer=rt.tokenizer, context_tokens=96, max_new_tokens=4, agents=2,
+                          question=f"{salt}: which prefix should the cache keep?")
+    return wf.compile(rt.tokenizer, rt.facts.max_positions, rt.block_size)
+
+
+def _gate(cluster) -> dict:
+    return plugin(cluster).gate.view()
+
+
+def test_one_place_runs_concurrent_workflows_one_after_another_exactly(alice, cluster):
+    flows = [_compiled(alice, f"gate-{i}") for i in range(3)]
+    results: list = [None] * 3
+
+    def work(i):
+        results[i] = run_state_mode(flows[i], alice)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert all(r is not None for r in results)
+    spans = sorted((min(a.level_started_at for a in r.agents.values()), max(a.finished_at for a in r.agents.values()))
+                   for r in results)
+    assert all(end <= nxt_start for (_, end), (nxt_start, _) in zip(spans, spans[1:])), spans  # never two inside
+    assert sum(r.gate_wait_s > 0.05 for r in results) >= 2  # the later ones waited in line
+    for flow, r in zip(flows, results):
+        text = run_text_mode(flow, alice)  # text mode passes the gate too
+        assert {n: a.tokens for n, a in r.agents.items()} == {n: a.tokens for n, a in text.agents.items()}
+    assert _gate(cluster)["running"] == 0 and _gate(cluster)["waiting"] == 0
+
+
+def test_a_tenant_may_neither_set_the_limit_nor_take_anothers_run_out(alice, bob, cluster):
+    with pytest.raises(AccessDenied, match="admin role"):
+        bob.set_workflow_gate(8)
+    assert _gate(cluster)["workflow_gate_per_worker"] == 0.5
+    assert alice.plugin.gate_enter("alice-run", 1.0)["admitted"]
+    assert bob.plugin.gate_leave("alice-run") is False  # his own (absent) run of that name, not hers
+    assert not bob.plugin.gate_enter("bob-run", 0.2)["admitted"]  # her run still holds the place
+    metrics = generate(cluster.scheduler).decode()  # /metrics: counts, no tenant's run named
+    for line in ("daskflow_kv_workflows_running 1.0", "daskflow_kv_workflows_waiting 1.0",
+                 "daskflow_kv_workflow_gate_slots 1.0"):
+        assert line in metrics.splitlines(), line
+    assert "alice-run" not in metrics and "bob-run" not in metrics
+    assert alice.plugin.gate_leave("alice-run") is True
+    assert bob.plugin.gate_enter("bob-run", 2.0)["admitted"]
+    assert bob.plugin.gate_leave("bob-run")
+
+
+def test_a_client_that_dies_inside_frees_its_place(alice, cluster):
+    doomed = runtime(cluster, "bob")
+    assert doomed.plugin.gate_enter("holds-the-place", 1.0)["admitted"]
+    answer = alice.plugin.gate_enter("next", 0.2)
+    assert not answer["admitted"] and answer["ahead"] == 0 and answer["running"] == 1
+    doomed.client.close()  # its process could as well have died: the scheduler drops the client
+    assert wait_until(lambda: alice.plugin.gate_enter("next", 1.0)["admitted"], timeout=20)
+    assert alice.plugin.gate_leave("next")
+
+
+def test_a_run_that_stops_asking_leaves_the_line(alice, bob, cluster):
+    assert alice.plugin.gate_enter("inside", 1.0)["admitted"]
+    assert not bob.plugin.gate_enter("gone-quiet", 0)["admitted"]  # asks once, never again
+    assert _gate(cluster)["waiting"] == 1
+    assert wait_until(lambda: _gate(cluster)["waiting"] == 0, timeout=10)  # 3 missed answers of 1 s
+    assert alice.plugin.gate_leave("inside")
+    assert _gate(cluster)["running"] == 0  # the quiet run was not let in in its absence
+
+
+def test_the_admin_raising_the_limit_lets_the_line_in_at_once(alice, bob, ops, cluster):
+    assert alice.plugin.gate_enter("first", 1.0)["admitted"]
+    assert not bob.plugin.gate_enter("second", 0.2)["admitted"]
+    waiting = threading.Thread(target=lambda: bob.plugin.gate_enter("second", 10.0))
+    t0 = time.perf_counter()
+    waiting.start()
+    try:
+        assert ops.set_workflow_gate(1)["slots"] == 2
+        waiting.join(timeout=10)
+        assert time.perf_counter() - t0 < 5  # woken by the change, not by its 10 s wait running out
+        assert _gate(cluster)["running"] == 2
+    finally:
+        ops.set_workflow_gate(0.5)
+        alice.plugin.gate_leave("first")
+        bob.plugin.gate_leave("second")
+
+
+def test_a_bad_limit_is_refused_before_the_scheduler_hears_of_it(ops, cluster):
+    with pytest.raises(ValueError, match="running workflows per worker") as e:
+        ops.set_workflow_gate(0)
+    assert "\n" not in str(e.value)
+    assert _gate(cluster)["workflow_gate_per_worker"] == 0.5
