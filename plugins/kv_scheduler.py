@@ -228,7 +228,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
             self.locality.reschedule_orphans(f"kv-tick-{now}")
             self.locality.release_paused(now, f"kv-tick-{now}")
             self.budget.enforce()
-            self.gate.admit()  # runs that stopped asking leave the line
+            self.gate.drop_stale()  # runs that stopped asking, or renewing, lose their place
         except Exception:  # never let a bug here take the scheduler's loop down
             logger.exception("daskflow-kv periodic check failed")
         try:

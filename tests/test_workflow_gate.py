@@ -2,8 +2,10 @@
 
 One place (half a run per worker, two workers): three workflows sent at once run one after
 another, the later ones waiting in line, with text mode's tokens. A tenant can neither set
-the limit nor take another's run out; a client that dies inside, or a run that stops
-asking, frees its place; the admin raising the limit lets the line in at once.
+the limit nor take another's run out, nor see another's runs in its answers; a client that
+dies inside, a run that stops asking, and a run inside that stops renewing free their
+places (a long run renewing keeps its own); the admin raising the limit lets the line in
+at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import pytest
 
 from conftest import wait_until
 from daskflow_kv.flow.executor import run_state_mode, run_text_mode
+from daskflow_kv.plugins import kv_gate
 from daskflow_kv.plugins.dashboard.metrics import generate
+from daskflow_kv.runtime.workflow_gate import admitted
 from daskflow_kv.plugins.tenants import AccessDenied
 from daskflow_kv.workflows import WORKFLOWS
 from tenancy_kit import plugin, runtime, tenant, tenant_cluster
@@ -85,8 +89,8 @@ def test_a_tenant_may_neither_set_the_limit_nor_take_anothers_run_out(alice, bob
 def test_a_client_that_dies_inside_frees_its_place(alice, cluster):
     doomed = runtime(cluster, "bob")
     assert doomed.plugin.gate_enter("holds-the-place", 1.0)["admitted"]
-    answer = alice.plugin.gate_enter("next", 0.2)
-    assert not answer["admitted"] and answer["ahead"] == 0 and answer["running"] == 1
+    assert alice.plugin.gate_enter("next", 0.2) == {"admitted": False}  # her own run's answer: nothing of bob's
+    assert _gate(cluster)["running"] == 1
     doomed.client.close()  # its process could as well have died: the scheduler drops the client
     assert wait_until(lambda: alice.plugin.gate_enter("next", 1.0)["admitted"], timeout=20)
     assert alice.plugin.gate_leave("next")
@@ -107,7 +111,8 @@ def test_the_admin_raising_the_limit_lets_the_line_in_at_once(alice, bob, ops, c
     waiting = threading.Thread(target=lambda: bob.plugin.gate_enter("second", 10.0))
     t0 = time.perf_counter()
     waiting.start()
-    try:
+    try:  # the call is waiting on the scheduler before the limit changes
+        assert wait_until(lambda: any(r[2] == "second" for r in plugin(cluster).gate._woken), timeout=5)
         assert ops.set_workflow_gate(1)["slots"] == 2
         waiting.join(timeout=10)
         assert time.perf_counter() - t0 < 5  # woken by the change, not by its 10 s wait running out
@@ -116,6 +121,26 @@ def test_the_admin_raising_the_limit_lets_the_line_in_at_once(alice, bob, ops, c
         ops.set_workflow_gate(0.5)
         alice.plugin.gate_leave("first")
         bob.plugin.gate_leave("second")
+
+
+def test_a_run_inside_that_stops_renewing_loses_its_place_and_is_not_put_back(alice, bob, cluster, monkeypatch):
+    monkeypatch.setattr(kv_gate, "RENEW_S", 0.3)  # the scheduler runs in this process: 0.9 s without renewal
+    assert alice.plugin.gate_enter("vanished", 1.0)["admitted"]  # and never renewed, nor left
+    assert not bob.plugin.gate_enter("behind-it", 0.2)["admitted"]
+    assert wait_until(lambda: bob.plugin.gate_enter("behind-it", 1.0)["admitted"], timeout=10)
+    assert alice.plugin.gate_enter("vanished", 0, renew=True) == {"admitted": False}  # a renewal queues nothing
+    assert _gate(cluster)["waiting"] == 0 and _gate(cluster)["running"] == 1
+    assert bob.plugin.gate_leave("behind-it") and not alice.plugin.gate_leave("vanished")
+
+
+def test_a_long_run_keeps_its_place_by_renewing_it(alice, bob, cluster, monkeypatch):
+    monkeypatch.setattr(kv_gate, "RENEW_S", 0.3)
+    with admitted(alice.plugin, "long-run", renew_s=0.1):
+        time.sleep(2.5)  # nearly three times what losing it would take without renewals
+        assert _gate(cluster)["running"] == 1
+        assert not bob.plugin.gate_enter("after-it", 0.2)["admitted"]
+    assert wait_until(lambda: bob.plugin.gate_enter("after-it", 1.0)["admitted"], timeout=5)
+    assert bob.plugin.gate_leave("after-it")
 
 
 def test_a_bad_limit_is_refused_before_the_scheduler_hears_of_it(ops, cluster):

@@ -173,6 +173,9 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
     working_set = docs * context * rt.facts.bytes_per_token
     second = Client(rt.client.scheduler.address, set_as_default=False)
     rows: list[dict] = []
+    # Only a run asked to compare gates sets the gate (and clears it after): otherwise the
+    # cluster's own setting stands, whatever it is.
+    manage_gate = any(g is not None for g in gates)
     try:
         rt2 = KVRuntime(second, rt.spec.model, dtype=rt.spec.dtype, block_size=rt.block_size)
         benches = [b, S.Bench(rt2, b.workers, b.router)]  # one router in front of both clients
@@ -198,7 +201,7 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
                     order = [(s, g) for s in systems for g in gates]
                     for system, gate in order if rep % 2 == 0 else order[::-1]:
                         rows.append(_one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref,
-                                         text_tokens, budget, progress, gate))
+                                         text_tokens, budget, progress, gate, manage_gate))
                         if rows[-1]["saturated"]:
                             saturated.add(system)
                 if saturated >= set(systems):
@@ -208,13 +211,14 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
     for x in benches:
         x.retain_bytes = le.DEFAULT_RETAIN
     rt.configure(unset_budget=True)
-    rt.set_workflow_gate(None)
+    if manage_gate:
+        rt.set_workflow_gate(None)
     S.reset_caches(b)
     return rows
 
 
 def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, text_tokens, budget, progress,
-         gate=None):
+         gate=None, manage_gate=False):
     b = benches[0]
     rt = b.rt
     S.reset_caches(b)
@@ -222,7 +226,8 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         x.retain_bytes = budget if budget is not None else le.DEFAULT_RETAIN
     if budget is not None:
         rt.configure(kv_budget_bytes=budget)
-    rt.set_workflow_gate(gate)  # for both clients: the gate is the cluster's
+    if manage_gate:
+        rt.set_workflow_gate(gate)  # for both clients: the gate is the cluster's
     before = _counters(rt) if system == "dkv" else _local_evictions(b.client)
     for x in benches:  # the row's own plans only (the bench's runtimes: nothing else reads this log)
         x.rt.decisions.clear()
@@ -236,7 +241,8 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     after = _counters(rt) if system == "dkv" else _local_evictions(b.client)
     if budget is not None:
         rt.configure(unset_budget=True)
-    rt.set_workflow_gate(None)
+    if manage_gate:
+        rt.set_workflow_gate(None)
     delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
     row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget, gate) | load
     if system == "local":  # what the router priced with (refreshed at exp 7's start): a replay needs it

@@ -8,8 +8,9 @@ them finish later. The workflow gate does the same at the level of whole workflo
 the wait (a run is timed from its arrival, not from its admission).
 
 Who goes next: the waiting run of the tenant with the fewest runs inside, ties in arrival
-order - plain FIFO when one tenant uses the cluster, and one tenant's burst cannot keep
-another's runs out. The simulator (``sim.systems``) drives the same line with virtual
+order - plain FIFO when one tenant uses the cluster, and one tenant's burst waiting in
+line does not keep another's runs behind it as places come free (runs already inside keep
+their places until they end: there is no per-tenant share). The simulator (``sim.systems``) drives the same line with virtual
 time; the scheduler plugin (``plugins/kv_gate``) with real waiters.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Hashable
+
+RENEW_S = 10.0  # how often a run inside renews its place; three missed renewals lose it
 
 
 def gate_slots(per_worker: float | None, workers: int) -> int | None:

@@ -140,9 +140,10 @@ class PluginClient:
         self.call("kv_run_done", flow=flow)
 
     # -- the workflow gate (plugins/kv_gate.py) ------------------------------------------------------
-    def gate_enter(self, flow: str, wait: float) -> dict:
-        """Run ``flow`` of this session waits in the gate's line, at most ``wait`` s per call."""
-        return self.call("kv_gate_enter", flow=flow, wait=wait)
+    def gate_enter(self, flow: str, wait: float, renew: bool = False) -> dict:
+        """Run ``flow`` of this session waits in the gate's line, at most ``wait`` s per call
+        (``renew``: it is inside; only renew its place)."""
+        return self.call("kv_gate_enter", flow=flow, wait=wait, renew=renew)
 
     def gate_leave(self, flow: str) -> bool:
         return self.call("kv_gate_leave", flow=flow)
