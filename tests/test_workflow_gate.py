@@ -18,7 +18,9 @@ import pytest
 from conftest import wait_until
 from daskflow_kv.flow.executor import run_state_mode, run_text_mode
 from daskflow_kv.plugins import kv_gate
+from daskflow_kv.plugins.dashboard.data import collect
 from daskflow_kv.plugins.dashboard.metrics import generate
+from daskflow_kv.plugins.dashboard.render import render_sections
 from daskflow_kv.runtime.workflow_gate import admitted
 from daskflow_kv.plugins.tenants import AccessDenied
 from daskflow_kv.workflows import WORKFLOWS
@@ -81,6 +83,10 @@ def test_a_tenant_may_neither_set_the_limit_nor_take_anothers_run_out(alice, bob
                  "daskflow_kv_workflow_gate_slots 1.0"):
         assert line in metrics.splitlines(), line
     assert "alice-run" not in metrics and "bob-run" not in metrics
+    page = render_sections(collect(cluster.scheduler))  # the KV page a browser not logged in gets
+    cards = page["kv-cards"] if "kv-cards" in page else page["cards"]
+    assert "Workflow gate" in cards and 'data-metric="workflows_waiting" data-value="1"' in cards
+    assert "alice-run" not in str(page) and "bob-run" not in str(page)
     assert alice.plugin.gate_leave("alice-run") is True
     assert bob.plugin.gate_enter("bob-run", 2.0)["admitted"]
     assert bob.plugin.gate_leave("bob-run")

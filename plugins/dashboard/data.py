@@ -250,6 +250,8 @@ def collect(scheduler, focus: str | None = None, viewer: access.Viewer | None = 
         block_status=dict(Counter(r.get("status", "") for r in block_rows.values())),
         block_tiers=dict(Counter(r.get("tier") or "none" for r in block_rows.values())),
         orphan_blocks={"count": len(orphans), "nbytes": sum(r.get("nbytes", 0) for r in orphans)},
+        # the workflow gate's counts: cluster-wide, no run or tenant named (as on /metrics)
+        gate=plugin.gate.view() if getattr(plugin, "gate", None) is not None else None,
     )
     timeline = getattr(plugin, "timeline", None)
     # The live plots: a tenant's own workflows and tokens; the admin and an open cluster's

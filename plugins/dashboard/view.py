@@ -12,7 +12,7 @@ import math
 
 from .data import MAX_STATES, NODE_H, NODE_W, _short
 from .format import fmt_bytes, fmt_int
-from .metrics import COUNTERS, metric_name
+from .metrics import COUNTERS, GATE_FAMILIES, PREFIX, metric_name
 
 OP_COLORS = {
     "materialize": "#2563eb", "fork": "#7c3aed", "resume": "#16a34a", "extend": "#0d9488", "merge": "#ea580c",
@@ -49,7 +49,9 @@ def cards(d: dict) -> dict:
     share = _pct(reused, reused + computed)
     return {
         "c": c,
-        "series": {k: names.get(k, metric_name(k)) for k in list(COUNTERS) + list(c)},
+        "series": {k: names.get(k, metric_name(k)) for k in list(COUNTERS) + list(c)}
+        | {name: PREFIX + name for name, _ in GATE_FAMILIES},
+        "gate": d.get("gate"),
         "reused_pct": share,
         "computed_pct": 100 - share,
         "transfer_pct": _pct(tr, tr + rc),
