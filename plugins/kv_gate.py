@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 
 from daskflow_kv.policy.workflow_gate import RENEW_S, GateLine, gate_slots, valid_per_worker
 
@@ -42,7 +41,7 @@ MAX_RUNS_PER_TENANT = 4096  # runs one tenant may have inside and in line at onc
 
 
 class WorkflowGate:
-    __slots__ = ("_scheduler", "_settings", "_tenants", "_line", "_woken", "_ask_by", "_renew_by", "_per_tenant")
+    __slots__ = ("_scheduler", "_settings", "_tenants", "_line", "_woken", "_ask_by", "_renew_by")
 
     def __init__(self, scheduler, settings: KVSettings, tenants: TenantRegistry):
         self._scheduler = scheduler  # how many workers there are
@@ -52,7 +51,6 @@ class WorkflowGate:
         self._woken: dict[tuple, asyncio.Event] = {}  # waiting run -> set when it is let in
         self._ask_by: dict[tuple, float] = {}  # waiting run -> (monotonic) by when it must ask again
         self._renew_by: dict[tuple, float] = {}  # run inside -> (monotonic) by when it must renew
-        self._per_tenant: Counter = Counter()  # namespace -> its runs inside and waiting
 
     def handlers(self) -> dict:
         return {name: getattr(self, "handle_" + name.removeprefix("kv_gate_")) for name in RPC_NAMES}
@@ -80,10 +78,9 @@ class WorkflowGate:
         if renew:
             return {"admitted": False}
         if run not in self._ask_by:
-            if self._per_tenant[run[1]] >= MAX_RUNS_PER_TENANT:
+            if self._line.held(run[1]) >= MAX_RUNS_PER_TENANT:
                 raise ValueError(f"namespace {run[1]!r} has {MAX_RUNS_PER_TENANT} workflow runs in the gate "
                                  "already; end some first")
-            self._per_tenant[run[1]] += 1
             self._line.arrive(run, run[1])
         # the later of the deadlines of concurrent asks: a quick ask must not drop a long one
         self._ask_by[run] = max(self._ask_by.get(run, 0.0), now + STALE_POLLS * max(wait, 1.0))
@@ -114,10 +111,6 @@ class WorkflowGate:
         return self.view()
 
     def _forget(self, run: tuple) -> bool:
-        if run in self._ask_by or run in self._renew_by:
-            self._per_tenant[run[1]] -= 1
-            if self._per_tenant[run[1]] <= 0:
-                del self._per_tenant[run[1]]
         self._woken.pop(run, None)
         self._ask_by.pop(run, None)
         self._renew_by.pop(run, None)

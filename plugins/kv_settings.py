@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daskflow_kv import config
-from daskflow_kv.policy.workflow_gate import valid_per_worker
+from daskflow_kv import config, validation
 
 
 @dataclass(slots=True)
@@ -43,5 +42,6 @@ class KVSettings:
             prefill_samples=int(config.get("scheduler.prefill-samples")),
             session_ttl=config.get_seconds("scheduler.session-ttl"),
             register_wait=config.get_seconds("scheduler.register-wait"),
-            workflow_gate=valid_per_worker(config.get("scheduler.workflow-gate")),
+            workflow_gate=validation.setting("scheduler.workflow-gate", None, "workflow_gate", validation.optional,
+                                             validation.number, above=0),
         )

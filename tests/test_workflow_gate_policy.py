@@ -1,6 +1,7 @@
 """The workflow gate's line (``policy.workflow_gate``) on plain data: places, arrival order,
 one tenant's burst against another's run, leaving from inside and from the line."""
 
+import dask
 import pytest
 
 from daskflow_kv.policy.workflow_gate import GateLine, gate_slots, valid_per_worker
@@ -22,17 +23,28 @@ def test_a_bad_limit_is_one_line(bad):
     assert valid_per_worker(None) is None and valid_per_worker(3) == 3.0
 
 
+def test_a_bad_configured_limit_names_the_setting_in_one_line():
+    from daskflow_kv.plugins.kv_settings import KVSettings
+
+    with dask.config.set({"daskflow-kv.scheduler.workflow-gate": 0}):
+        with pytest.raises(ValueError, match="setting daskflow-kv.scheduler.workflow-gate must be a number > 0") as e:
+            KVSettings.from_config()
+    assert "\n" not in str(e.value)
+    with dask.config.set({"daskflow-kv.scheduler.workflow-gate": 4}):
+        assert KVSettings.from_config().workflow_gate == 4.0
+
+
 def test_one_tenant_is_first_in_first_out():
     line = GateLine()
     for run in "abcde":
         line.arrive(run)
     assert line.admit(2) == ["a", "b"]
     assert line.admit(2) == []  # full
-    assert (line.running, line.waiting, line.position("e")) == (2, 3, 2)
+    assert (line.running, line.waiting, line.held(None)) == (2, 3, 5)
     assert line.leave("a") is True
     assert line.admit(2) == ["c"]
     assert line.leave("d") is False  # gave up waiting: out of the line, not counted as inside
-    assert line.position("d") is None
+    assert (line.running, line.waiting, line.held(None)) == (2, 1, 3)  # b, c inside; e waits
     assert line.leave("b") and line.admit(2) == ["e"]
     assert line.admit(None) == [] and line.running == 2
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from .load_stream import gate_label
+
 METRICS = (("completed_per_min", "workflows/min", "{:.1f}"), ("latency_p95_s", "p95 s", "{:.1f}"),
            ("tokens_prefilled", "tokens prefilled", "{:,.0f}"))
 
@@ -49,7 +51,7 @@ def lines(doc: dict) -> list[str]:
 
 def _stream(r: dict) -> str:
     """A row's stream, and its workflow gate where it had one."""
-    return r["stream"] + ("" if r.get("workflow_gate") is None else f" gate {r['workflow_gate']:g}")
+    return r["stream"] + gate_label(r.get("workflow_gate"))
 
 
 def _cell(x: dict, fmt: str, between: str = " / ", after: str = "") -> str:

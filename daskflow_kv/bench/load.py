@@ -35,7 +35,7 @@ from . import process_load
 from . import systems as S
 from .common import Progress, log
 from .exp7_why import rebuild_reasons
-from .load_stream import build, doc_sequence, documents, schedule
+from .load_stream import build, doc_sequence, documents, gate_label, schedule
 from .multiround import run_local_mode
 
 SYSTEMS = ("local", "dkv")  # text replay runs once per stream kind, as the reference
@@ -109,7 +109,7 @@ def evidence(records: list[dict]) -> dict:
 
 def point(kind: str, rate: float, gate: float | None = None) -> str:
     """An exp 7 row's point: its stream and rate, and the workflow gate where there was one."""
-    return f"{kind} {rate:g}/min" + ("" if gate is None else f" gate {gate:g}")
+    return f"{kind} {rate:g}/min" + gate_label(gate)
 
 
 def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref: dict | None, arrivals,

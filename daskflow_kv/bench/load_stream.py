@@ -34,6 +34,11 @@ class Arrival:
     doc: int  # which shared document
 
 
+def gate_label(gate: float | None) -> str:
+    """How a row names the workflow gate it ran behind (nothing when there was none)."""
+    return "" if gate is None else f" gate {gate:g}"
+
+
 def zipf_weights(docs: int, s: float) -> list[float]:
     w = [1.0 / (k + 1) ** s for k in range(docs)]
     total = sum(w)

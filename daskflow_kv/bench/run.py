@@ -125,7 +125,8 @@ def _gate(text: str) -> float | str | None:
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_streams", "exp7_gates", "parallel_contexts",
+                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_streams", "exp7_gates",
+                "parallel_contexts",
                 "parallel_exp1_contexts"):
         v = getattr(args, key)
         if v is not None:

@@ -10,15 +10,17 @@ the wait (a run is timed from its arrival, not from its admission).
 Who goes next: the waiting run of the tenant with the fewest runs inside, ties in arrival
 order - plain FIFO when one tenant uses the cluster, and one tenant's burst waiting in
 line does not keep another's runs behind it as places come free (runs already inside keep
-their places until they end: there is no per-tenant share). The simulator (``sim.systems``) drives the same line with virtual
-time; the scheduler plugin (``plugins/kv_gate``) with real waiters.
+their places until they end: there is no per-tenant share). The simulator
+(``sim.systems``) drives the same line with virtual time; the scheduler plugin
+(``plugins/kv_gate``) with real waiters.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from collections.abc import Hashable
+
+from .. import validation
 
 RENEW_S = 10.0  # how often a run inside renews its place; three missed renewals lose it
 
@@ -32,14 +34,9 @@ def gate_slots(per_worker: float | None, workers: int) -> int | None:
     return max(1, int(per_worker * max(0, workers)))
 
 
-def valid_per_worker(value) -> float | None:
-    """``value`` as running workflows per worker, or None; a one-line ``ValueError`` otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"workflow gate must be a positive, finite number of running workflows per worker "
-                         f"(or null for none), got {value!r}")
-    return float(value)
+def valid_per_worker(value, name: str = "workflow gate (running workflows per worker)") -> float | None:
+    """``value`` as running workflows per worker, or None (no limit); a one-line error otherwise."""
+    return validation.optional(name, value, validation.number, above=0)
 
 
 class GateLine:
@@ -70,12 +67,9 @@ class GateLine:
     def is_inside(self, run: Hashable) -> bool:
         return run in self._inside
 
-    def position(self, run: Hashable) -> int | None:
-        """How many waiting runs arrived before ``run`` (None: it is not waiting)."""
-        mine = self._waiting.get(run)
-        if mine is None:
-            return None
-        return sum(1 for seq, _ in self._waiting.values() if seq < mine[0])
+    def held(self, tenant: Hashable) -> int:
+        """``tenant``'s runs inside and waiting."""
+        return self._count[tenant] + len(self._lines.get(tenant, ()))
 
     def arrive(self, run: Hashable, tenant: Hashable = None) -> None:
         """``run`` waits at the back of its tenant's line (once: a run inside or waiting stays put)."""
