@@ -291,6 +291,11 @@ def has_running_worker(scheduler) -> bool:
     return bool(scheduler.running)
 
 
+def running_workers(scheduler) -> list:
+    """The workers up and accepting tasks (WorkerState objects), in no particular order."""
+    return list(scheduler.running)
+
+
 # -- scheduler side: Dask's history of task groups, kept bounded ---------------------------------
 # Dask drops a TaskGroup from ``scheduler.task_groups`` once all its tasks are forgotten, but the
 # span that saw it, and the deprecated ``Computation``, keep it for the scheduler's life, and a new

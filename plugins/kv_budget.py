@@ -89,6 +89,13 @@ def _run_of(unit: list) -> tuple:
     return (h.namespace, h.flow)
 
 
+def _younger(unit: list, than: list) -> bool:
+    """``unit`` is later in line than ``than`` and serves another workflow run (a task of no
+    run is a run of its own)."""
+    same_run = unit[0][2].flow is not None and _run_of(unit) == _run_of(than)
+    return not same_run and _rank(unit) > _rank(than)
+
+
 def _rank(unit: list) -> tuple:
     """A parked task's (or gang's) place in line: its run's start, then its own submission."""
     return min((h.rank, h.since) for _, _, h in unit)
@@ -178,6 +185,8 @@ class BudgetEnforcer:
             "reserved": dict(self._reserved),
             "lines": [{"worker": line[0], "namespace": line[1], "oldest": str(key), "unfreeable": nbytes,
                        "since_room_grew_s": round(now - at, 1)} for line, (key, nbytes, at) in self._floors.items()],
+            "pins": {line[0]: [(n, sorted(map(str, runs)) if runs is not None else None)
+                               for n, runs in self._runs.pins_on(line[0], self._held)] for line in self._floors},
             "admit_pending": self._admit_pending, "evicting": len(self._evicting),
             "over_budget": sorted(self._over_budget),
         }
@@ -207,20 +216,31 @@ class BudgetEnforcer:
         self._runs.forget(run)
 
     def transition(self, key, start: str, finish: str) -> None:
+        """A held task stays under admission until it finishes or Dask forgets it. One that
+        is released before finishing - an input lost with a dead worker, its own worker dead
+        - comes back through ``waiting``: it is parked again, so it waits in line as before
+        instead of sitting restricted to the parking address (or to a dead worker) for good."""
         held = self._held.get(key)
         if held is None:
             return
         if finish == "no-worker" and held.worker is None:
             self._scheduler.loop.add_callback(self.admit)  # after this transition batch, not inside it
-        elif start == "processing" and finish != "processing":
-            self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
+        elif finish in ("memory", "forgotten", "erred"):  # done, or let go for good
             self._held.pop(key, None)
-            self.note_progress()  # its room may let a waiting task in
-        elif finish in ("released", "forgotten", "erred"):  # let go before it ran (admitted or not)
-            self._held.pop(key, None)
+            self._unreserve(held)
+        elif finish == "released":  # back to waiting soon (or forgotten): parked again
+            self._unreserve(held)
             if held.worker is not None:
-                self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
-                self.note_progress()
+                held.worker, held.reserved = None, 0
+                ts = self._scheduler.tasks.get(key)
+                if ts is not None:
+                    di.pin(self._scheduler, ts, HOLD_WORKER)
+
+    def _unreserve(self, held: Held) -> None:
+        """An admitted task left its worker: its promised room is free (a waiting task may take it)."""
+        if held.worker is not None:
+            self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
+            self.note_progress()
 
     def admit(self) -> None:
         """Send every parked task that fits, in line order; evict first where that makes room."""
@@ -276,7 +296,7 @@ class BudgetEnforcer:
         if head.gang is not None and len(unit) < head.gang_size and \
                 now - min(h.since for _, _, h in unit) < self._settings.admission_patience:
             return  # the rest still wait for their inputs; a member that never comes stops blocking later
-        workers = [self._pick_worker(ts, held) for _, ts, held in unit]
+        workers = [self._pick_worker(ts, held, now) for _, ts, held in unit]
         if None in workers:
             return
         mine = {self._line(w, h.namespace) for w, (_, _, h) in zip(workers, unit)}
@@ -310,12 +330,12 @@ class BudgetEnforcer:
     def _preempt_youngest(self, lines: dict, blocked: dict, stuck: set, stimulus: str) -> None:
         """Break a deadlock, as a serving engine preempts its newest requests: for each stuck
         line, fail with ``KVPreempted`` a waiting task (or gang) of each of the fewest waiting
-        workflow runs, youngest first, whose release frees the room the line's oldest task
-        lacks (a block shared by several runs is freed only when all of them go; a run parked
-        on another worker may hold this one's room); when no such set exists, the line's
-        youngest task. Their workflows release what they hold and retry, keeping their place
-        in line. (Preempting a run that holds nothing there frees nothing: done again and
-        again, that is a livelock.) The line's patience starts again."""
+        workflow runs younger than its oldest task's run, youngest first, whose release frees
+        the room that task lacks (a block shared by several runs is freed only when all of
+        them go; a run parked on another worker may hold this one's room); when no such set
+        exists, the line's youngest task. Their workflows release what they hold and retry,
+        keeping their place in line. (Preempting a run that holds nothing there frees
+        nothing: done again and again, that is a livelock.) The line's patience starts again."""
         waiting = {id(u): (u, v) for queued in lines.values() for u, v in queued}
         by_age = sorted(waiting.values(), key=lambda uv: _rank(uv[0]), reverse=True)
         budget = self._settings.kv_budget_bytes or 0
@@ -324,9 +344,13 @@ class BudgetEnforcer:
             oldest = lines[line][0]
             head_key, unfreeable, _ = self._floors.get(line, (None, 0, 0.0))
             lacking = unfreeable + sum(v.need for v in oldest[1] if v.worker == line[0]) - budget
-            others = {}  # run -> one of its waiting units, youngest run first (the oldest's own run is not one)
+            # Only runs younger than the one waiting: each stuck line preempting for its own
+            # oldest, two lines whose oldest runs pin each other's room would preempt both,
+            # and both come back to the same deadlock (a livelock). The oldest run of all is
+            # never preempted for another, so it gets its room and the line moves.
+            others = {}  # run -> one of its waiting units, youngest run first
             for unit, verdicts in by_age:
-                if _run_of(unit) != _run_of(oldest[0]):
+                if _younger(unit, oldest[0]):
                     others.setdefault(_run_of(unit), (unit, verdicts))
             runs = runs_to_preempt(self._runs.pins_on(line[0], self._held), list(others), lacking)
             if runs:
@@ -334,7 +358,7 @@ class BudgetEnforcer:
                                       "oldest waiting there can run: retry it"
                 victims += [(*others[r], why) for r in runs]
             else:
-                unit, verdicts = lines[line][-1]
+                unit, verdicts = lines[line][-1]  # the youngest there: its own run's, or a younger run's
                 victims.append((unit, verdicts, blocked[line] + "; preempted (the youngest task waiting there) so "
                                                                 "older ones can run: retry it"))
             if head_key is not None:  # its patience starts again: the victims' releases take a moment
@@ -350,19 +374,26 @@ class BudgetEnforcer:
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
 
-    def _pick_worker(self, ts, held: Held) -> str | None:
+    def _pick_worker(self, ts, held: Held, now: float) -> str | None:
+        """The planned worker while it lives. Once it is gone, a running worker where the task
+        fits now, most of its inputs there first, then the least busy; where none fits, the
+        one holding most of its inputs. (Sent only by input locality, a replanned task may
+        wait behind a survivor full of pinned blocks while the restarted workers stand empty.)"""
         workers = self._scheduler.workers
         if held.target in workers:
             return held.target
-        # The planned worker is gone: where most of its inputs are, else the least busy.
-        score: dict[str, int] = {}
+        inputs: dict[str, int] = {}
         for d in ts.dependencies:
             for w in d.who_has or ():
-                score[w.address] = score.get(w.address, 0) + d.get_nbytes()
-        if score:
-            return max(sorted(score), key=score.get)
-        ws = sorted(workers.values(), key=lambda w: (len(w.processing), w.address))
-        return ws[0].address if ws else None
+                inputs[w.address] = inputs.get(w.address, 0) + d.get_nbytes()
+        running = di.running_workers(self._scheduler)
+        order = sorted(running, key=lambda ws: (-inputs.get(ws.address, 0), len(ws.processing), ws.address))
+        for ws in order:
+            if self._decide(ts, held, ws.address, now).action == ADMIT:
+                return ws.address
+        if inputs:
+            return max(sorted(inputs), key=inputs.get)
+        return order[0].address if order else None
 
     def _decide(self, ts, held: Held, worker: str, now: float, promised: dict | None = None,
                 running: set | None = None) -> Verdict:

@@ -246,7 +246,9 @@ def test_pin_holds_a_task_to_its_worker_and_loosen_lets_it_go(client, workers):
     assert wait_until(lambda: _state(client, "internals-stranded") == "no-worker")
     assert client.run_on_scheduler(
         lambda dask_scheduler: ("internals-stranded" in {str(ts.key) for ts in di.unrunnable(dask_scheduler)},
-                                di.has_running_worker(dask_scheduler))) == (True, True)
+                                di.has_running_worker(dask_scheduler),
+                                sorted(ws.address for ws in di.running_workers(dask_scheduler))
+                                == sorted(dask_scheduler.workers))) == (True, True, True)
 
     def free(dask_scheduler):
         ts = dask_scheduler.tasks["internals-stranded"]

@@ -171,9 +171,14 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
 
 
 def _waiting_tasks(client, most: int = 30) -> list[dict]:
-    """The scheduler's unfinished KV tasks: state, restrictions, and where they run or wait."""
+    """The scheduler's unfinished KV tasks (state, restrictions, where they run or wait, whether
+    admission holds them), then what admission holds and its last preemptions."""
 
     def look(dask_scheduler):
+        from daskflow_kv.keys import HOLD_WORKER, PLUGIN_NAME
+
+        plugin = dask_scheduler.plugins[PLUGIN_NAME]
+        budget = plugin.budget
         alive = set(dask_scheduler.workers)
         rows = []
         for k, ts in dask_scheduler.tasks.items():
@@ -181,14 +186,18 @@ def _waiting_tasks(client, most: int = 30) -> list[dict]:
                 continue
             rows.append({"key": str(k)[:90], "state": ts.state,
                          "restrictions": sorted(ts.worker_restrictions or ()),
-                         "restricted_to_dead": bool(ts.worker_restrictions) and not (set(ts.worker_restrictions) & alive),
+                         "restricted_to_dead": bool(ts.worker_restrictions) and HOLD_WORKER not in ts.worker_restrictions
+                         and not (set(ts.worker_restrictions) & alive),
                          "loose": ts.loose_restrictions,
+                         "admission": "held" if budget.is_held(k) else None,
                          "processing_on": ts.processing_on.address if ts.processing_on else None,
                          "waiting_on": [str(d.key)[:60] for d in (ts.waiting_on or ())][:3]})
-        return rows
+        events = [e for e in plugin.event_log.events()
+                  if e.get("op") in ("preempt", "over-budget", "orphan-dropped")]
+        return rows[:most] + [{"admission_snapshot": budget.snapshot(), "admission_events": events[-20:]}]
 
     try:
-        return client.run_on_scheduler(look)[:most]
+        return client.run_on_scheduler(look)
     except Exception as e:  # noqa: BLE001 -- diagnostics only
         return [{"error": repr(e)}]
 

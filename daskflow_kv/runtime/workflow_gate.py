@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..errors import ClientClosed
 from ..policy.workflow_gate import RENEW_S
 from .plugin_client import PluginClient
 
@@ -41,6 +42,8 @@ def admitted(plugin: PluginClient, run: str, poll_s: float = POLL_S, renew_s: fl
         inside.set()
         try:
             plugin.gate_leave(run)
+        except ClientClosed:  # the scheduler frees a client's places when the client leaves
+            logger.debug("daskflow-kv: run %s ended after its client closed", run)
         except Exception as e:  # noqa: BLE001 -- its renewals stop: the place comes free within three
             logger.warning("daskflow-kv: run %s did not leave the workflow gate (its place frees itself within "
                            "%.0f s): %s", run, 3 * renew_s, e)

@@ -308,3 +308,61 @@ async def test_a_client_that_leaves_has_its_states_released_and_its_blocks_left_
     await until(lambda: plugin.catalog.states[sid].status == "released", what="the state's release")
     assert wanted_only_by_cache(s, key)  # evictable now
     assert any(e.get("state_id") == sid and e.get("reason") == "client left" for e in events(plugin, "release"))
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_parked_task_whose_input_is_lost_waits_in_line_again_and_runs(c, s, a, b):
+    """A lost input (its worker died) sends a parked task back through ``released`` and
+    ``waiting``; it must come back under admission, not stay parked with nobody to admit it."""
+    plugin, token, held = await _budget_with_pinned(c, s, a.address, 800)
+    source = submit_block(c, token, b.address, 100)
+    await source
+    task = submit_compute(c, token, a.address, kv_value, 500, source, kv_out=500)
+    await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked")
+    s.transitions({source.key: "released"}, stimulus_id="test-input-lost")  # as when b dies with it
+    await until(lambda: state_of(s, source.key) == "memory", what="the input to be computed again")
+    await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked again")
+    assert plugin.budget.awaiting_admission(task.key)
+    del held  # room: the task is admitted and runs where the plan sent it
+    assert len(await task) == 500
+    assert {ws.address for ws in s.tasks[task.key].who_has} == {a.address}
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
+async def test_two_lines_stuck_on_each_other_preempt_only_the_younger_run(c, s, a, b):
+    """run-old waits for room on a that run-new's state pins; run-new waits for room on b that
+    run-old's state pins. Each line preempting for its own oldest would preempt both runs,
+    which retry into the same deadlock; only the younger run goes, and the older one runs."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    blocks = {}
+    for run, worker, nbytes in (("run-old", b.address, 700), ("run-new", a.address, 700), ("spare", b.address, 10)):
+        blocks[run] = submit_block(c, token, worker, nbytes)
+        await blocks[run]
+        await c.scheduler.kv_register_states(session=token, metas=[
+            {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
+             "tokens": 4, "worker": worker, "flow": run}])
+    old = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-old")
+    await until(lambda: state_of(s, old.key) == "no-worker", what="run-old's task to be parked")
+    new = submit_compute(c, token, b.address, kv_value, 500, kv_out=500, flow="run-new")
+    await until(lambda: state_of(s, new.key) == "no-worker", what="run-new's task to be parked")
+    # A state released: both lines' patience starts again together, so both are stuck at once.
+    await c.scheduler.kv_release_state(session=token, state_id="kvstate-spare-00000001")
+    with pytest.raises(KVPreempted, match="preempted"):
+        await new
+    assert [e["key"] for e in events(plugin, "preempt")] == [new.key]
+    assert plugin.budget.awaiting_admission(old.key)
+    await c.scheduler.kv_release_state(session=token, state_id="kvstate-run-new-00000001")
+    del blocks["run-new"]  # run-new backs off: it lets go of what it holds, and run-old runs
+    assert len(await old) == 500
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_task_whose_planned_worker_is_gone_runs_where_it_fits_not_behind_its_inputs(c, s, a, b):
+    plugin, token, held = await _budget_with_pinned(c, s, a.address, 800)
+    source = submit_block(c, token, a.address, 100)  # its input, on a: a is full (900 of 1000)
+    await source
+    # Planned on a worker that is gone:
+    task = submit_compute(c, token, "tcp://127.0.0.1:9", kv_value, 500, source, kv_out=500)
+    assert len(await asyncio.wait_for(task, 10)) == 500  # b has room for it and its input
+    assert {ws.address for ws in s.tasks[task.key].who_has} == {b.address}
