@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from daskflow_kv import validation
 from daskflow_kv.policy.workflow_gate import RENEW_S, GateLine, gate_slots, valid_per_worker
 
 from .kv_notes import MAX_TEXT
@@ -69,8 +70,7 @@ class WorkflowGate:
         for a run already inside, renew its place (``renew``: only that - a run that lost its
         place is not put in line again). -> whether it is inside."""
         run = self._run(session, flow)
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= MAX_WAIT_S:
-            raise ValueError(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {wait!r}")
+        wait = validation.number("wait (seconds)", wait, minimum=0, maximum=MAX_WAIT_S)
         now = time.monotonic()
         if self._line.is_inside(run):
             self._renew_by[run] = now + STALE_POLLS * RENEW_S

@@ -308,7 +308,6 @@ class KVSchedulerPlugin(SchedulerPlugin):
         rescheduled = self.locality.replace_lost(stimulus)
         dropped = self.lifecycle.drop_lost_cache_only(stimulus)
         self.event_log.record("worker-lost", None, worker=worker, rescheduled=rescheduled, dropped=dropped)
-        self.gate.admit()  # fewer places: nobody new goes in until runs end
 
     def add_worker(self, scheduler, worker) -> None:
         self.locality.reschedule_orphans(f"kv-worker-added-{time.time()}")

@@ -154,3 +154,6 @@ def test_a_bad_limit_is_refused_before_the_scheduler_hears_of_it(ops, cluster):
         ops.set_workflow_gate(0)
     assert "\n" not in str(e.value)
     assert _gate(cluster)["workflow_gate_per_worker"] == 0.5
+    with pytest.raises(ValueError, match=r"wait \(seconds\) must be a number from 0 to 30"):
+        ops.plugin.gate_enter("too-patient", 31)  # the scheduler refuses a wait past its longest
+    assert _gate(cluster)["waiting"] == 0

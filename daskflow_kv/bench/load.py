@@ -211,8 +211,6 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
     for x in benches:
         x.retain_bytes = le.DEFAULT_RETAIN
     rt.configure(unset_budget=True)
-    if manage_gate:
-        rt.set_workflow_gate(None)
     S.reset_caches(b)
     return rows
 

@@ -83,10 +83,8 @@ class GateLine:
         """Let runs in while fewer than ``slots`` are inside (None: all); -> those let in, in order."""
         out = []
         while self._lines and (slots is None or len(self._inside) < slots):
-            if len(self._lines) == 1:
-                tenant = next(iter(self._lines))
-            else:  # the tenant with the fewest runs inside, then the earliest arrival
-                tenant = min(self._lines, key=lambda t: (self._count[t], self._lines[t][0][0]))
+            # the tenant with the fewest runs inside, then the earliest arrival
+            tenant = min(self._lines, key=lambda t: (self._count[t], self._lines[t][0][0]))
             q = self._lines[tenant]
             _, run = q.popleft()
             del self._waiting[run]
