@@ -13,10 +13,13 @@ run's later levels go before runs that began after it; ``flow`` in the task's no
 serving engine's waiting queue: while the oldest task waits for room there, no younger one
 takes that room, so a large request is not starved by small ones. When the cluster made no
 progress for ``admission-patience`` - no KV task ran anywhere and no KV left memory: parked
-tasks hold each other's room through states their clients keep - the youngest task in a
-stuck line is preempted (``KVPreempted``; its workflow releases its states and retries,
-keeping its place in line) and the rest wait on. A periodic check (``enforce``) still trims retained blocks
-down to the budget as states are released (``policy.eviction.choose_victims``).
+tasks hold each other's room through states their clients keep - the stuck line's oldest
+task moves to a worker with room for it (with what was planned after it there,
+``kv_replan``), else the youngest runs holding its room are preempted (``KVPreempted``;
+each workflow releases its states, its leases end, it waits at the workflow gate again and
+retries, keeping its place in line) and the rest wait on. A periodic check (``enforce``)
+still trims retained blocks down to the budget as states are released
+(``policy.eviction.choose_victims``).
 
 Tenants with a quota (``daskflow-kv.tenants.<name>.quota``) are guaranteed that many KV
 bytes on every worker: another tenant's task may evict their blocks only down to it, and
@@ -39,11 +42,12 @@ from typing import NamedTuple
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError, KVPreempted
 from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Tenancy, admit, runs_to_preempt
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, make_room
 from daskflow_kv.policy.eviction import choose_victims
 from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_events import EventLog
+from .kv_replan import replan_downstream
 from .kv_settings import KVSettings
 from .kv_runs import RunLedger, pending_only_for_cache
 from .kv_usage import KVUsage
@@ -104,7 +108,7 @@ def _rank(unit: list) -> tuple:
 class BudgetEnforcer:
     __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
                  "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at", "_floors", "_runs",
-                 "_orphans_checked")
+                 "_orphans_checked", "on_preempt")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
                  quotas: Mapping[str, int] | None = None):
@@ -127,6 +131,9 @@ class BudgetEnforcer:
         self._floors: dict[tuple, tuple] = {}
         self._runs = RunLedger(scheduler, catalog, usage)  # workflow runs: their place in line, what they pin
         self._orphans_checked = 0.0  # when parked tasks nobody needs were last let go
+        # (namespace, run) -> None: told of each run preempted to break a deadlock (the
+        # workflow gate sends it back to its line and lets fewer runs in)
+        self.on_preempt = None
 
     # -- what other parts ask ---------------------------------------------------------------------
     def is_held(self, key) -> bool:
@@ -265,7 +272,7 @@ class BudgetEnforcer:
         for unit in sorted(units.values(), key=_rank):
             self._admit_unit(unit, now, stimulus, running, lines, blocked, stuck)
         if stuck:
-            self._preempt_youngest(lines, blocked, stuck, stimulus)
+            self._break_deadlock(lines, blocked, stuck, stimulus)
 
     def _drop_orphans(self, stimulus: str) -> None:
         """Let go of parked tasks nobody needs any more: their workflow gave up (preempted, its
@@ -327,23 +334,24 @@ class BudgetEnforcer:
         for line in mine:
             lines.setdefault(line, []).append((unit, verdicts))
 
-    def _preempt_youngest(self, lines: dict, blocked: dict, stuck: set, stimulus: str) -> None:
-        """Break a deadlock, as a serving engine preempts its newest requests: for each stuck
-        line, fail with ``KVPreempted`` a waiting task (or gang) of each of the fewest waiting
-        workflow runs younger than its oldest task's run, youngest first, whose release frees
-        the room that task lacks (a block shared by several runs is freed only when all of
-        them go; a run parked on another worker may hold this one's room); when no such set
-        exists, the line's youngest task. Their workflows release what they hold and retry,
-        keeping their place in line. (Preempting a run that holds nothing there frees
-        nothing: done again and again, that is a livelock.) The line's patience starts again."""
+    def _break_deadlock(self, lines: dict, blocked: dict, stuck: set, stimulus: str) -> None:
+        """Break a deadlock, as a serving engine preempts its newest requests. For each stuck
+        line, the room its oldest task lacks is made (``policy.admission.make_room``): on a
+        worker where it fits now, by moving it there with what was planned after it; else by
+        failing with ``KVPreempted`` a waiting task (or gang) of each of the fewest waiting
+        workflow runs younger than its run whose release frees that room - on its planned
+        worker if possible, else where it then fits (a block shared by several runs is freed
+        only when all of them go; a run parked on another worker may hold this one's room).
+        When none exists, the line's youngest task is preempted. Preempted workflows release
+        what they hold and retry, keeping their place in line. (Preempting a run that holds
+        nothing there frees nothing: done again and again, that is a livelock.) The line's
+        patience starts again."""
         waiting = {id(u): (u, v) for queued in lines.values() for u, v in queued}
         by_age = sorted(waiting.values(), key=lambda uv: _rank(uv[0]), reverse=True)
-        budget = self._settings.kv_budget_bytes or 0
         victims: list[tuple] = []  # (unit, verdicts, why)
+        now = time.time()
         for line in sorted(stuck, key=str):
             oldest = lines[line][0]
-            head_key, unfreeable, _ = self._floors.get(line, (None, 0, 0.0))
-            lacking = unfreeable + sum(v.need for v in oldest[1] if v.worker == line[0]) - budget
             # Only runs younger than the one waiting: each stuck line preempting for its own
             # oldest, two lines whose oldest runs pin each other's room would preempt both,
             # and both come back to the same deadlock (a livelock). The oldest run of all is
@@ -352,19 +360,25 @@ class BudgetEnforcer:
             for unit, verdicts in by_age:
                 if _younger(unit, oldest[0]):
                     others.setdefault(_run_of(unit), (unit, verdicts))
-            runs = runs_to_preempt(self._runs.pins_on(line[0], self._held), list(others), lacking)
-            if runs:
-                why = blocked[line] + "; preempted (a waiting workflow holding KV there, the youngest such) so the " \
-                                      "oldest waiting there can run: retry it"
-                victims += [(*others[r], why) for r in runs]
-            else:
+            plan = make_room(self._rooms(line[0], *oldest, now), list(others))
+            if plan is None:
                 unit, verdicts = lines[line][-1]  # the youngest there: its own run's, or a younger run's
                 victims.append((unit, verdicts, blocked[line] + "; preempted (the youngest task waiting there) so "
                                                                 "older ones can run: retry it"))
-            if head_key is not None:  # its patience starts again: the victims' releases take a moment
-                self._floors[line] = (head_key, unfreeable, time.time())
+            else:
+                worker, runs = plan
+                if worker != line[0]:
+                    self._move(oldest[0][0], worker)
+                why = blocked[line] + "; preempted (a waiting workflow holding KV there, the youngest such) so the " \
+                                      "oldest waiting there can run: retry it"
+                victims += [(*others[r], why) for r in runs]
+            self._floors.pop(line, None)  # its patience starts again: the victims' releases take a moment
         done: set = set()
         for unit, verdicts, reason in victims:
+            if unit[0][2].flow is not None:
+                self._usage.end_leases(_run_of(unit))
+                if self.on_preempt is not None:
+                    self.on_preempt(*_run_of(unit))
             for (key, ts, held), v in zip(unit, verdicts):
                 if key in done or key not in self._held:
                     continue
@@ -374,26 +388,67 @@ class BudgetEnforcer:
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
 
+    def _rooms(self, planned: str, unit: list, verdicts: list, now: float) -> list[Room]:
+        """The workers a stuck unit could run on, its planned one first, with the room it lacks
+        on each. A gang stays on its planned workers (its chunks were placed together)."""
+        budget = self._settings.kv_budget_bytes or 0
+        need = sum(v.need for v in verdicts if v.worker == planned)
+        rooms = [Room(planned, max(1, self._unfreeable(planned, now) + need - budget),
+                      self._runs.pins_on(planned, self._held))]
+        if len(unit) == 1:
+            _, ts, held = unit[0]
+            for ws in di.running_workers(self._scheduler):
+                if ws.address == planned:
+                    continue
+                v = self._decide(ts, held, ws.address, now)
+                lacking = 0 if v.action == ADMIT else max(1, self._unfreeable(ws.address, now) + v.need - budget)
+                rooms.append(Room(ws.address, lacking, self._runs.pins_on(ws.address, self._held)))
+        return rooms
+
+    def _unfreeable(self, worker: str, now: float) -> int:
+        """KV bytes on ``worker`` that eviction cannot free: pinned, or promised to running tasks."""
+        wu = self._usage.usage(self._scheduler.workers[worker], now)
+        return self._reserved.get(worker, 0) + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
+
     def _pick_worker(self, ts, held: Held, now: float) -> str | None:
         """The planned worker while it lives. Once it is gone, a running worker where the task
-        fits now, most of its inputs there first, then the least busy; where none fits, the
-        one holding most of its inputs. (Sent only by input locality, a replanned task may
-        wait behind a survivor full of pinned blocks while the restarted workers stand empty.)"""
-        workers = self._scheduler.workers
-        if held.target in workers:
+        fits now (``_fits_elsewhere``); where none fits, the one holding most of its inputs.
+        (Sent only by input locality, a replanned task may wait behind a survivor full of
+        pinned blocks while the restarted workers stand empty.)"""
+        if held.target in self._scheduler.workers:
             return held.target
+        fits = self._fits_elsewhere(ts, held, now)
+        if fits is not None:
+            return fits
+        inputs = self._input_bytes(ts)
+        if inputs:
+            return max(sorted(inputs), key=inputs.get)
+        running = di.running_workers(self._scheduler)
+        return min(running, key=lambda ws: (len(ws.processing), ws.address)).address if running else None
+
+    def _input_bytes(self, ts) -> dict[str, int]:
+        """Worker -> bytes of ``ts``'s inputs it holds."""
         inputs: dict[str, int] = {}
         for d in ts.dependencies:
             for w in d.who_has or ():
                 inputs[w.address] = inputs.get(w.address, 0) + d.get_nbytes()
-        running = di.running_workers(self._scheduler)
-        order = sorted(running, key=lambda ws: (-inputs.get(ws.address, 0), len(ws.processing), ws.address))
-        for ws in order:
-            if self._decide(ts, held, ws.address, now).action == ADMIT:
-                return ws.address
-        if inputs:
-            return max(sorted(inputs), key=inputs.get)
-        return order[0].address if order else None
+        return inputs
+
+    def _fits_elsewhere(self, ts, held: Held, now: float) -> str | None:
+        """A running worker other than the planned one where the task fits now, most of its
+        inputs there first, then the least busy; None when it fits on none."""
+        inputs = self._input_bytes(ts)
+        order = sorted((ws for ws in di.running_workers(self._scheduler) if ws.address != held.target),
+                       key=lambda ws: (-inputs.get(ws.address, 0), len(ws.processing), ws.address))
+        return next((ws.address for ws in order if self._decide(ts, held, ws.address, now).action == ADMIT), None)
+
+    def _move(self, entry: tuple, worker: str) -> None:
+        """Send a parked task to ``worker`` instead of its planned one, with the tasks planned
+        to run after it there (``kv_replan``)."""
+        key, ts, held = entry
+        old, held.target = held.target, worker
+        moved = replan_downstream(self._scheduler, self._held, ts, old, worker)
+        self._events.record("relocate", held.namespace, key=str(key), worker=worker, source=old, dependents=moved)
 
     def _decide(self, ts, held: Held, worker: str, now: float, promised: dict | None = None,
                 running: set | None = None) -> Verdict:

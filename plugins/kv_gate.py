@@ -12,7 +12,9 @@ own). A waiting run that stops asking for ``STALE_POLLS`` of its waits leaves th
 a run inside that misses ``STALE_POLLS`` renewals loses its place (its thread died, or a
 leave was lost); a client that leaves (closed, or its process died) takes its runs with it.
 The places follow the workers: one joining lets more in at once, one dying lets fewer in
-as runs end (no run inside is pushed out).
+as runs end (no run inside is pushed out). A run the KV budget preempts to break a deadlock
+is the one exception: it goes back to the head of its line and the gate backs off
+(``policy.workflow_gate.BackOff``), so the runs still inside get the room.
 
 A run is named by its client, namespace and workflow run, so no tenant can leave, renew or
 take the place of another's run, and an answer counts only the caller's own runs; the
@@ -29,7 +31,7 @@ import asyncio
 import time
 
 from daskflow_kv import validation
-from daskflow_kv.policy.workflow_gate import RENEW_S, GateLine, gate_slots, valid_per_worker
+from daskflow_kv.policy.workflow_gate import RENEW_S, BackOff, GateLine, gate_slots, valid_per_worker
 
 from .kv_notes import MAX_TEXT
 from .kv_settings import KVSettings
@@ -42,7 +44,7 @@ MAX_RUNS_PER_TENANT = 4096  # runs one tenant may have inside and in line at onc
 
 
 class WorkflowGate:
-    __slots__ = ("_scheduler", "_settings", "_tenants", "_line", "_woken", "_ask_by", "_renew_by")
+    __slots__ = ("_scheduler", "_settings", "_tenants", "_line", "_woken", "_ask_by", "_renew_by", "_backoff")
 
     def __init__(self, scheduler, settings: KVSettings, tenants: TenantRegistry):
         self._scheduler = scheduler  # how many workers there are
@@ -52,12 +54,29 @@ class WorkflowGate:
         self._woken: dict[tuple, asyncio.Event] = {}  # waiting run -> set when it is let in
         self._ask_by: dict[tuple, float] = {}  # waiting run -> (monotonic) by when it must ask again
         self._renew_by: dict[tuple, float] = {}  # run inside -> (monotonic) by when it must renew
+        self._backoff = BackOff()  # fewer places after KV deadlocks
 
     def handlers(self) -> dict:
         return {name: getattr(self, "handle_" + name.removeprefix("kv_gate_")) for name in RPC_NAMES}
 
     def slots(self) -> int | None:
-        return gate_slots(self._settings.workflow_gate, len(self._scheduler.workers))
+        return self._backoff.limit(gate_slots(self._settings.workflow_gate, len(self._scheduler.workers)))
+
+    def send_back(self, namespace: str | None, flow: str) -> bool:
+        """The KV budget preempted run ``flow`` of ``namespace`` to break a deadlock: it waits at
+        the head of its line (it asks again as it retries), and the gate lets in no more runs
+        than are still inside until a calm spell has passed. -> whether it was inside."""
+        now = time.monotonic()
+        sent = False
+        for run in [r for r in self._renew_by if r[1] == namespace and r[2] == flow]:
+            if self._line.push_back(run):
+                del self._renew_by[run]
+                self._ask_by[run] = now + STALE_POLLS * MAX_WAIT_S
+                sent = True
+        if sent:
+            self._backoff.cut(self._line.running, now)
+            self.admit()  # none left inside: the run goes in again at once (one run alone always may)
+        return sent
 
     def _run(self, session: str | None, flow) -> tuple:
         s = self._tenants.session(session)
@@ -97,6 +116,8 @@ class WorkflowGate:
         """The caller's run ``flow`` ended, or gave up waiting: its place goes to the next in line.
         -> whether it was inside."""
         was_inside = self._forget(self._run(session, flow))
+        if was_inside:
+            self._backoff.grow(time.monotonic())
         self.admit()
         return was_inside
 
@@ -147,4 +168,4 @@ class WorkflowGate:
         """The limit, the places and how many runs are inside and waiting: the operator's figures
         (the admin's answer, /metrics); a tenant's own answers never count other tenants' runs."""
         return {"workflow_gate_per_worker": self._settings.workflow_gate, "slots": self.slots(),
-                "running": self._line.running, "waiting": self._line.waiting}
+                "backed_off_to": self._backoff.cap, "running": self._line.running, "waiting": self._line.waiting}

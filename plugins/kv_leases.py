@@ -66,18 +66,37 @@ class LeaseBook:
         (``forget_run``); ``(None, None)`` among them: one acquisition said no run."""
         return self._holders.get(key, {}).get(client, set())
 
+    def lease_runs(self, key) -> set:
+        """The (namespace, workflow run)s ``key``'s lease was taken for (``(None, None)``: a
+        lookup that said no run); empty when nobody's acquisition is on record."""
+        return {r for runs in self._holders.get(key, {}).values() for r in runs}
+
+    def end_leases(self, run: tuple) -> None:
+        """``run`` was preempted: the leases taken only for it end now. Its lookups' blocks are
+        its states' to keep, and it let those go; a lease left running would pin them until
+        it expires - long enough for the run to retry and lease them again, so the task it
+        was preempted for never gets their room."""
+        for k in list(self._holders):
+            if run in self.lease_runs(k):
+                self._forget_key_run(k, run)
+                if not self._holders.get(k):
+                    self._until.pop(k, None)
+
+    def _forget_key_run(self, key, run: tuple) -> None:
+        by_client = self._holders.get(key, {})
+        for c in list(by_client):
+            by_client[c].discard(run)
+            if not by_client[c]:
+                del by_client[c]
+        if not by_client:
+            self._holders.pop(key, None)
+
     def forget_run(self, run: tuple | None) -> None:
         """A workflow run ended: what it acquired is no longer its to hold."""
         if run is None:
             return
         for k in list(self._holders):
-            by_client = self._holders[k]
-            for c in list(by_client):
-                by_client[c].discard(run)
-                if not by_client[c]:
-                    del by_client[c]
-            if not by_client:
-                del self._holders[k]
+            self._forget_key_run(k, run)
 
     def is_leased(self, key, now: float) -> bool:
         return self._until.get(key, 0.0) > now

@@ -43,6 +43,18 @@ def pending_only_for_cache(ts, limit: int = 512) -> set | None:
     return cache_only
 
 
+def _waiting_for(ts, held: Mapping) -> set:
+    """The runs whose preemption lets go of a block ``ts`` waits to read: its own run when
+    admission parks it; else the runs of the parked tasks it waits for (a fork or a
+    replica of a parked prefill errs with it); {(None, None)} when none is parked."""
+    h = held.get(ts.key)
+    if h is not None:
+        return {(h.namespace, h.flow) if h.worker is None else (None, None)}
+    up = {(u.namespace, u.flow) for u in (held.get(d.key) for d in ts.waiting_on or ())
+          if u is not None and u.worker is None}
+    return up or {(None, None)}
+
+
 class RunLedger:
     __slots__ = ("_scheduler", "_catalog", "_usage", "_seen")
 
@@ -78,8 +90,9 @@ class RunLedger:
 
     def pins_on(self, worker: str, held: Mapping) -> list[tuple[int, frozenset | None]]:
         """Each pinned KV block in memory on ``worker``: (bytes, the workflow runs keeping it -
-        its live states' and its waiting readers'); None when something else keeps it too (a
-        lease, a reader or state no run claims), which no preemption frees."""
+        its live states', its waiting readers' (``_waiting_for``) and its lease's); None when
+        something else keeps it too (a lease, a reader or a state no run claims), which no
+        preemption frees."""
         ws = self._scheduler.workers.get(worker)
         if ws is None:
             return []
@@ -96,8 +109,9 @@ class RunLedger:
                 if cs.client_key != CACHE_CLIENT and not any(st.client == cs.client_key for st in live):
                     runs |= self._usage.acquired_for(b.key, cs.client_key) or {(None, None)}
             for w in ts.waiters or ():
-                h = held.get(w.key)
-                runs.add((h.namespace, h.flow) if h is not None and h.worker is None else (None, None))
-            known = runs and all(flow is not None for _, flow in runs) and not self._usage.leased(b.key, now)
+                runs |= _waiting_for(w, held)
+            if self._usage.leased(b.key, now):  # a lookup's lease: the runs it was taken for (ended on preemption)
+                runs |= self._usage.lease_runs(b.key) or {(None, None)}
+            known = runs and all(flow is not None for _, flow in runs)
             out.append((b.nbytes, frozenset(runs) if known else None))
         return out

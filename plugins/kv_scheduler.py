@@ -189,6 +189,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
         self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
+        self.budget.on_preempt = self.gate.send_back  # a run preempted for a deadlock waits at the gate again
         self.queue = QueueTracker(s)
         self.profiles = ProfileBook(s, settings.prefill_samples)
         self.locality = Locality(s, self.catalog, self.budget, self.queue, self.event_log)

@@ -68,6 +68,12 @@ class KVUsage:
     def acquired_for(self, key, client: str) -> set:
         return self._leases.acquired_for(key, client)
 
+    def lease_runs(self, key) -> set:
+        return self._leases.lease_runs(key)
+
+    def end_leases(self, run: tuple) -> None:
+        self._leases.end_leases(run)
+
     def pinned(self, ts, now: float) -> bool:
         """A block this worker must keep: leased, read by a waiting/running task, or held by a state."""
         if self._leases.is_leased(ts.key, now) or ts.waiters:

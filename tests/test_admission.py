@@ -1,6 +1,6 @@
 """Admission under the KV budget on plain numbers, with and without tenants' quotas. Pure policy."""
 
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Tenancy, admit, runs_to_preempt
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, make_room, runs_to_preempt
 from daskflow_kv.policy.eviction import BlockUsage
 
 NOW = 1000.0
@@ -75,3 +75,23 @@ def test_what_no_preemption_frees_is_never_counted():
     pins = [(500, None), (20, frozenset({"a"}))]  # leased, or kept by a reader no run claims
     assert runs_to_preempt(pins, ["a"], 100) == []
     assert runs_to_preempt(pins, ["a"], 0) == []  # nothing lacking: nobody goes
+
+
+# -- where a stuck line's oldest task gets its room ----------------------------------------------
+def test_a_stuck_task_moves_where_it_fits_now_rather_than_preempt_anyone():
+    planned = Room("a", 300, [(400, frozenset({"young"}))])  # preempting young would free it here
+    assert make_room([planned, Room("b", 50, []), Room("c", 0, [])], ["young"]) == ("c", [])
+
+
+def test_otherwise_its_planned_worker_is_cleared_first_then_where_the_fewest_runs_go():
+    planned = Room("a", 300, [(200, frozenset({"y1"})), (200, frozenset({"y2"}))])  # two runs to go here
+    other = Room("b", 100, [(150, frozenset({"y1"}))])  # one here
+    assert make_room([planned, other], ["y1", "y2"]) == ("a", ["y1", "y2"])
+    held_by_its_own_run = Room("a", 300, [(400, frozenset({"mine", "y1"}))])  # no younger run frees it
+    two_to_go = Room("c", 100, [(100, frozenset({"y1"})), (100, frozenset({"y2"}))])
+    assert make_room([held_by_its_own_run, other, two_to_go], ["y1", "y2"]) == ("b", ["y1"])
+
+
+def test_no_room_anywhere_that_younger_runs_can_free_gives_none():
+    rooms = [Room("a", 300, [(400, frozenset({"mine"}))]), Room("b", 100, [(500, None)])]
+    assert make_room(rooms, ["y1"]) is None

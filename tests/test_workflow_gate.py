@@ -157,3 +157,26 @@ def test_a_bad_limit_is_refused_before_the_scheduler_hears_of_it(ops, cluster):
     with pytest.raises(ValueError, match=r"wait \(seconds\) must be a number from 0 to 30"):
         ops.plugin.gate_enter("too-patient", 31)  # the scheduler refuses a wait past its longest
     assert _gate(cluster)["waiting"] == 0
+
+
+def test_a_run_the_budget_preempts_goes_back_to_the_head_of_the_line_and_the_gate_backs_off(alice, bob, ops,
+                                                                                               cluster):
+    """What the KV budget's deadlock breaker does with a run it preempts (``on_preempt``)."""
+    gate = plugin(cluster).gate
+    ops.set_workflow_gate(1)  # two places
+    try:
+        assert alice.plugin.gate_enter("first", 1.0)["admitted"]
+        assert bob.plugin.gate_enter("second", 1.0)["admitted"]
+        assert not alice.plugin.gate_enter("third", 0.2)["admitted"]
+        assert gate.send_back("bob", "second")
+        view = _gate(cluster)
+        assert (view["running"], view["waiting"], view["backed_off_to"], view["slots"]) == (1, 2, 1, 1)
+        assert not bob.plugin.gate_enter("second", 0.2)["admitted"]  # it waits for a place, asking again
+        assert alice.plugin.gate_leave("first")
+        assert bob.plugin.gate_enter("second", 1.0)["admitted"]  # the head of the line: before "third"
+        assert not alice.plugin.gate_enter("third", 0.2)["admitted"]  # one place until a calm spell passes
+        assert not gate.send_back("bob", "nobody-inside")
+    finally:
+        alice.plugin.gate_leave("third")
+        bob.plugin.gate_leave("second")
+        ops.set_workflow_gate(0.5)

@@ -1,10 +1,11 @@
 """The workflow gate's line (``policy.workflow_gate``) on plain data: places, arrival order,
-one tenant's burst against another's run, leaving from inside and from the line."""
+one tenant's burst against another's run, leaving from inside and from the line, a run sent
+back after a preemption, backing off after deadlocks."""
 
 import dask
 import pytest
 
-from daskflow_kv.policy.workflow_gate import GateLine, gate_slots, valid_per_worker
+from daskflow_kv.policy.workflow_gate import CALM_S, BackOff, GateLine, gate_slots, valid_per_worker
 
 
 def test_places_follow_the_workers_and_never_drop_to_zero():
@@ -77,3 +78,30 @@ def test_no_limit_lets_everyone_in_in_order():
     for run in range(4):
         line.arrive(run)
     assert line.admit(None) == [0, 1, 2, 3]
+
+
+def test_a_run_sent_back_waits_at_the_head_of_its_line():
+    line = GateLine()
+    for run in "abcd":
+        line.arrive(run)
+    assert line.admit(3) == ["a", "b", "c"]
+    assert line.push_back("b") is True  # preempted: before d, who arrived after it
+    assert line.push_back("d") is False  # not inside
+    assert (line.running, line.waiting) == (2, 2)
+    assert line.leave("a") and line.admit(3) == ["b", "d"]
+    line.arrive("x")
+    assert line.push_back("c") and line.admit(3) == ["c"]  # before x, who arrived after it
+
+
+def test_backing_off_cuts_to_the_runs_inside_and_grows_by_one_per_calm_spell():
+    bo = BackOff()
+    assert bo.limit(None) is None and bo.limit(6) == 6  # no deadlock yet: the configured places
+    bo.cut(running=5, now=100.0)
+    assert bo.limit(None) == 5 and bo.limit(3) == 3
+    bo.grow(now=100.0 + CALM_S / 2)
+    assert bo.cap == 5  # not calm long enough
+    bo.grow(now=100.0 + CALM_S)
+    bo.grow(now=100.0 + CALM_S + 1)  # at most one more per spell
+    assert bo.cap == 6
+    bo.cut(running=0, now=200.0)
+    assert bo.cap == 1  # never below one run: a run alone can always go in

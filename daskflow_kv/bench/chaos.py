@@ -193,8 +193,15 @@ def _waiting_tasks(client, most: int = 30) -> list[dict]:
                          "processing_on": ts.processing_on.address if ts.processing_on else None,
                          "waiting_on": [str(d.key)[:60] for d in (ts.waiting_on or ())][:3]})
         events = [e for e in plugin.event_log.events()
-                  if e.get("op") in ("preempt", "over-budget", "orphan-dropped")]
-        return rows[:most] + [{"admission_snapshot": budget.snapshot(), "admission_events": events[-20:]}]
+                  if e.get("op") in ("preempt", "relocate", "over-budget", "orphan-dropped")]
+        held_kv = {}  # worker -> what KV it holds and who keeps it (a stalled budget's diagnosis)
+        for addr, ws in dask_scheduler.workers.items():
+            held_kv[addr] = [{"key": str(ts.key)[:70], "nbytes": ts.get_nbytes(),
+                              "wanted_by": sorted(str(cs.client_key)[:24] for cs in ts.who_wants or ()),
+                              "waiters": [str(w.key)[:60] for w in ts.waiters or ()][:3]}
+                             for ts in ws.has_what if plugin.usage.is_kv(ts.key)][:40]
+        return rows[:most] + [{"admission_snapshot": budget.snapshot(), "admission_events": events[-20:],
+                               "kv_held": held_kv, "gate": plugin.gate.view()}]
 
     try:
         return client.run_on_scheduler(look)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import validation
 from ..errors import KVPreempted
-from ..runtime.workflow_gate import admitted
+from ..runtime.workflow_gate import admitted, wait_turn
 from ..runtime.workflow_run import new_run_name, workflow_run
 from . import html_repr
 from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
@@ -162,14 +162,16 @@ def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> Wo
     with workflow_run(cw.workflow.name) as run:  # under a budget, its tasks keep this run's place in line
         try:
             with admitted(rt.plugin, run) as waited:  # the workflow gate: at most so many runs per worker
-                result = _run_levels(cw, rt, progress, parallel)
+                result = _run_levels(cw, rt, progress, parallel, lambda: wait_turn(rt.plugin, run))
         finally:
             rt.end_run(run)
     result.gate_wait_s = waited
     return result
 
 
-def _run_levels(cw: CompiledWorkflow, rt, progress, parallel) -> WorkflowResult:
+def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> WorkflowResult:
+    """``rejoin``: waits until the workflow gate lets the run in again (a preempted run is sent
+    back to its line)."""
     wf = cw.workflow
     outputs: dict[str, str] = {}
     results: dict[str, AgentResult] = {}
@@ -200,6 +202,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel) -> WorkflowResult:
                 rt.release(st, reuse_expected=True)
             states.clear()
             time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt) * random.uniform(0.5, 1.0))
+            rejoin()
         prefills += made
         for name, branch, gen, planned_at in done:
             m = _metrics(gen)

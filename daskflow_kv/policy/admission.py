@@ -25,8 +25,9 @@ Plain numbers in, one ``Admission`` out; the scheduler plugin does what it says.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .eviction import BlockUsage, choose_victims
 
@@ -128,3 +129,32 @@ def runs_to_preempt(pins: Iterable[tuple[int, frozenset | None]], younger: list,
                     gone = rest
             return chosen
     return []
+
+
+class Room(NamedTuple):
+    """One worker a stuck task could run on, seen from the task."""
+
+    worker: str
+    lacking: int  # bytes it lacks there once every unpinned block is evicted (<= 0: it fits now)
+    pins: list  # that worker's pinned blocks, as ``runs_to_preempt`` takes them
+
+
+def make_room(rooms: Sequence[Room], younger: list) -> tuple[str, list] | None:
+    """Where the oldest task of a stuck line should run, and which workflow runs to preempt
+    there: a worker where it fits now, preempting none (moving it costs a transfer of its
+    inputs, a preemption a redo); else its planned worker (``rooms[0]``) if preempting some
+    of ``younger`` (youngest first) frees its room there; else the worker where that takes
+    the fewest runs. None when no worker's room can be freed by preempting younger runs:
+    its own run's states, or older runs', hold it everywhere.
+    """
+    fits = next((r.worker for r in rooms if r.lacking <= 0), None)
+    if fits is not None:
+        return fits, []
+    best = None
+    for i, r in enumerate(rooms):
+        runs = runs_to_preempt(r.pins, younger, r.lacking)
+        if runs and i == 0:
+            return r.worker, runs
+        if runs and (best is None or len(runs) < len(best[1])):
+            best = (r.worker, runs)
+    return best

@@ -13,6 +13,14 @@ line does not keep another's runs behind it as places come free (runs already in
 their places until they end: there is no per-tenant share). The simulator
 (``sim.systems``) drives the same line with virtual time; the scheduler plugin
 (``plugins/kv_gate``) with real waiters.
+
+Under a KV budget the gate also backs off by itself (``BackOff``), as a serving engine
+sends a preempted request back to its waiting queue: when the budget preempts a run to
+break a deadlock - the runs inside hold more KV than the workers have, each waiting for
+room another keeps - that run goes back to the head of its line and the cluster lets in at
+most as many runs as are still inside; one more at most every ``CALM_S`` that passes
+without a deadlock. A cluster too full for its runs then runs fewer of them, down to one,
+instead of preempting the same runs into the same deadlock again and again.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from collections.abc import Hashable
 from .. import validation
 
 RENEW_S = 10.0  # how often a run inside renews its place; three missed renewals lose it
+CALM_S = 10.0  # time without a deadlock after which a backed-off gate lets in one run more
 
 
 def gate_slots(per_worker: float | None, workers: int) -> int | None:
@@ -95,13 +104,30 @@ class GateLine:
             out.append(run)
         return out
 
+    def push_back(self, run: Hashable) -> bool:
+        """``run`` leaves its place and waits at the head of the line (it was preempted: it goes
+        in again before every run still waiting, all of which came after it). -> whether it
+        was inside."""
+        if run not in self._inside:
+            return False
+        tenant = self.leave_place(run)
+        first = min((seq for q in self._lines.values() for seq, _ in q), default=self._seq + 1)
+        self._waiting[run] = (first - 1, tenant)
+        self._lines.setdefault(tenant, deque()).appendleft((first - 1, run))
+        return True
+
+    def leave_place(self, run: Hashable) -> Hashable:
+        """``run`` (inside) gives up its place. -> its tenant."""
+        tenant = self._inside.pop(run)
+        self._count[tenant] -= 1
+        if not self._count[tenant]:
+            del self._count[tenant]
+        return tenant
+
     def leave(self, run: Hashable) -> bool:
         """``run`` is done (or gave up waiting): its place is free. -> whether it was inside."""
         if run in self._inside:
-            tenant = self._inside.pop(run)
-            self._count[tenant] -= 1
-            if not self._count[tenant]:
-                del self._count[tenant]
+            self.leave_place(run)
             return True
         if run in self._waiting:
             seq, tenant = self._waiting.pop(run)
@@ -110,3 +136,28 @@ class GateLine:
             if not q:
                 del self._lines[tenant]
         return False
+
+
+class BackOff:
+    """How many runs a gate lets in after KV deadlocks: ``cut`` to the runs still inside when
+    one is sent back, ``grow`` by one at most every ``calm_s`` without a cut (additive
+    increase, multiplicative-like decrease: a cluster finds how many runs its budget holds)."""
+
+    __slots__ = ("cap", "_since")
+
+    def __init__(self):
+        self.cap: int | None = None  # runs let in at most (None: no back-off)
+        self._since = float("-inf")  # when the cap last changed
+
+    def cut(self, running: int, now: float) -> None:
+        self.cap, self._since = max(1, running), now
+
+    def grow(self, now: float, calm_s: float = CALM_S) -> None:
+        if self.cap is not None and now - self._since >= calm_s:
+            self.cap, self._since = self.cap + 1, now
+
+    def limit(self, slots: int | None) -> int | None:
+        """The places there are: the configured ``slots`` (None: no limit) and the cap, the fewer."""
+        if self.cap is None:
+            return slots
+        return self.cap if slots is None else min(slots, self.cap)

@@ -7,7 +7,8 @@ wait is asked for in short calls, so a run whose scheduler is gone hears of it (
 ``SchedulerLost``) instead of waiting for ever. Inside, a thread renews the run's place
 every ``RENEW_S``: a run whose process or thread died, or whose leave was lost, loses its
 place within three renewals instead of holding it for ever. The run leaves when it ends,
-however it ends.
+however it ends. A run the KV budget preempted to break a deadlock is sent back to the head
+of its line (``plugins/kv_gate.py``): it ``wait_turn``s again before it retries.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def admitted(plugin: PluginClient, run: str, poll_s: float = POLL_S, renew_s: fl
     t0 = time.perf_counter()
     inside = threading.Event()  # set when the run ends: the renewals stop
     try:
-        while not plugin.gate_enter(run, poll_s)["admitted"]:
-            pass
+        wait_turn(plugin, run, poll_s)
         threading.Thread(target=_renew, args=(plugin, run, renew_s, inside), name=f"daskflow-kv-gate-{run[:24]}",
                          daemon=True).start()
         yield time.perf_counter() - t0
@@ -49,10 +49,17 @@ def admitted(plugin: PluginClient, run: str, poll_s: float = POLL_S, renew_s: fl
                            "%.0f s): %s", run, 3 * renew_s, e)
 
 
+def wait_turn(plugin: PluginClient, run: str, poll_s: float = POLL_S) -> None:
+    """Wait in the gate's line until run ``run`` is let in (at once when it is inside)."""
+    while not plugin.gate_enter(run, poll_s)["admitted"]:
+        pass
+
+
 def _renew(plugin: PluginClient, run: str, every: float, ended: threading.Event) -> None:
     while not ended.wait(every):
         try:
-            if not plugin.gate_enter(run, 0, renew=True)["admitted"]:
-                return  # it lost its place (a long stall): the run goes on, uncounted
+            # Not inside: sent back to the line (it waits its turn again), or it lost its
+            # place in a long stall (it goes on, uncounted). Either way only renewals stop.
+            plugin.gate_enter(run, 0, renew=True)
         except Exception as e:  # noqa: BLE001 -- the run itself hears of a lost scheduler
             logger.debug("daskflow-kv: run %s could not renew its place in the workflow gate: %s", run, e)

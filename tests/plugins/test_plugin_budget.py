@@ -64,6 +64,13 @@ async def test_a_kv_task_that_can_never_fit_fails_with_the_budget_in_its_error(c
     assert not plugin.budget.is_held(task.key)
 
 
+async def _pinned(c, token: str, worker: str, nbytes: int):
+    """A block of ``nbytes`` on ``worker`` that the client keeps (pinned) while it holds the future."""
+    block = submit_block(c, token, worker, nbytes)
+    await block
+    return block
+
+
 async def _budget_with_pinned(c, s, worker: str, nbytes: int):
     """A budget of 1000 and a block of ``nbytes`` on ``worker`` the client keeps (pinned).
     -> plugin, token, block."""
@@ -75,18 +82,20 @@ async def _budget_with_pinned(c, s, worker: str, nbytes: int):
 
 
 async def _a_full_and_b_at_work(c, s, a, b, gate_name: str, flow: str | None = None):
-    """A budget of 1000 with 800 pinned on a (the client keeps its block) and a KV task at work
-    on b until ``gate_name`` opens. -> plugin, token, block, gate, running task."""
+    """A budget of 1000 with 800 pinned on a and 600 on b (the client keeps its blocks: a task
+    needing 500 fits on neither) and a KV task at work on b until ``gate_name`` opens.
+    -> plugin, token, block on a, gate, running task, block on b."""
     plugin, token, block = await _budget_with_pinned(c, s, a.address, 800)
+    on_b = await _pinned(c, token, b.address, 600)
     opened = gate(gate_name)
     running = submit_compute(c, token, b.address, wait_at_gate, gate_name, kv_out=10, flow=flow)
     await until(lambda: state_of(s, running.key) == "processing", what="b's task to start")
-    return plugin, token, block, opened, running
+    return plugin, token, block, opened, running, on_b
 
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
 async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only_on_a_deadlock(c, s, a, b):
-    plugin, token, block, opened, running = await _a_full_and_b_at_work(c, s, a, b, "stream")
+    plugin, token, block, opened, running, _on_b = await _a_full_and_b_at_work(c, s, a, b, "stream")
     task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500)
     await until(lambda: state_of(s, task.key) == "no-worker", what="the task to be parked")
     await asyncio.sleep(1.5)  # three patiences: it waits in line, since b's task may still free room
@@ -104,7 +113,7 @@ async def test_a_parked_task_waits_in_line_while_the_cluster_runs_and_fails_only
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "500ms"}))
 async def test_a_line_whose_room_never_grows_is_deadlocked_however_busy_other_workers_are(c, s, a, b):
     """Runs at work elsewhere that keep nothing on a cannot free room there: a's line is stuck."""
-    plugin, token, block, opened, running = await _a_full_and_b_at_work(c, s, a, b, "elsewhere", flow="run-b")
+    plugin, token, block, opened, running, _on_b = await _a_full_and_b_at_work(c, s, a, b, "elsewhere", flow="run-b")
     task = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-a")
     t0 = time.monotonic()
     with pytest.raises(KVPreempted, match="preempted"):
@@ -163,6 +172,33 @@ async def test_a_lease_keeps_a_looked_up_block_until_it_expires(c, s, a, b):
 
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
+async def test_a_preempted_runs_leases_end_with_it_and_are_counted_as_its_pins_until_then(c, s, a, b):
+    """A lease left running after its run was preempted would keep the blocks pinned until it
+    retried and leased them again: the room it was preempted for would never come."""
+    plugin = await start_plugin(s, evict_interval="50ms", lease_seconds=60.0)
+    token = await login(c)
+    shared, own = submit_block(c, token, a.address, 400), submit_block(c, token, a.address, 300)
+    await wait([shared, own])
+    keys = {"shared": shared.key, "own": own.key}
+    del shared, own
+    await until(lambda: all(wanted_only_by_cache(s, k) for k in keys.values()), what="the client's releases")
+    await c.scheduler.kv_acquire(session=token, keys=[keys["shared"], keys["own"]], flow="run-a")
+    await c.scheduler.kv_acquire(session=token, keys=[keys["shared"]], flow="run-b")
+    held = di.hold_futures(c, list(keys.values()))
+    del held  # the runs let go of their futures (preempted); only the leases keep the blocks
+    await until(lambda: all(wanted_only_by_cache(s, k) for k in keys.values()), what="the releases")
+    pins = dict((n, runs) for n, runs in plugin.budget._runs.pins_on(a.address, {}))
+    assert pins == {400: frozenset({("tests", "run-a"), ("tests", "run-b")}), 300: frozenset({("tests", "run-a")})}
+
+    plugin.usage.end_leases(("tests", "run-a"))
+    now = time.time()
+    assert not plugin.leases.is_leased(keys["own"], now)  # run-a's alone: over
+    assert plugin.leases.is_leased(keys["shared"], now)  # run-b still holds it
+    assert dict((n, runs) for n, runs in plugin.budget._runs.pins_on(a.address, {})) == \
+        {400: frozenset({("tests", "run-b")})}
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config())
 async def test_a_block_announced_for_reuse_is_evicted_after_the_others_until_it_is_read(c, s, a, b):
     plugin = await start_plugin(s, evict_interval="50ms")
     token = await login(c)
@@ -203,8 +239,8 @@ async def test_an_erred_block_is_let_go_so_the_same_content_computes_again(c, s,
 async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a, b):
     plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
     token = await login(c)
-    held = submit_block(c, token, a.address, 700)  # a client keeps it while its task waits: pinned
-    await held
+    held = await _pinned(c, token, a.address, 700)  # a client keeps it while its task waits: pinned
+    _full_b = await _pinned(c, token, b.address, 950)  # nothing waiting fits on b either
     older = submit_compute(c, token, a.address, kv_value, 400, kv_out=400)
     await until(lambda: state_of(s, older.key) == "no-worker", what="the older task to be parked")
     younger = submit_compute(c, token, a.address, kv_value, 400, kv_out=400)
@@ -215,6 +251,24 @@ async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a
     assert pre["key"] == younger.key
     del held  # its client lets go: the older task runs
     assert len(await older) == 400
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "300ms"}))
+async def test_a_stuck_task_that_fits_on_another_worker_moves_there_with_what_reads_it(c, s, a, b):
+    """a's room is held by a state its own client keeps: no preemption frees it, b has room.
+    The task runs on b, and the block cut from it (planned on a) follows it there."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    held = await _pinned(c, token, a.address, 700)
+    task = submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-a")
+    cut = submit_block(c, token, a.address, 400, source=task)  # planned after it, on a
+    assert len(await cut) == 400
+    assert {ws.address for ws in s.tasks[task.key].who_has} == {b.address}
+    assert {ws.address for ws in s.tasks[cut.key].who_has} == {b.address}  # read where it was made
+    [moved] = events(plugin, "relocate")
+    assert (moved["key"], moved["source"], moved["worker"], moved["dependents"]) == \
+        (task.key, a.address, b.address, 1)
+    assert not events(plugin, "preempt") and held.key in a.data  # nobody preempted, nothing of a's evicted
 
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
@@ -253,6 +307,7 @@ async def test_a_workflow_runs_later_tasks_go_before_runs_that_began_after_it(c,
 async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_that_holds_nothing(c, s, a, b):
     plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
     token = await login(c)
+    _full_b = await _pinned(c, token, b.address, 950)  # nothing waiting fits on b either
     blocks = {}
     for run in ("run-old", "run-mid"):  # each run's live state pins 400 bytes on a
         blocks[run] = submit_block(c, token, a.address, 400)
