@@ -100,6 +100,20 @@ def _younger(unit: list, than: list) -> bool:
     return not same_run and _rank(unit) > _rank(than)
 
 
+def _unfreeable(wu, reserved: int) -> int:
+    """KV bytes on a worker that eviction cannot free: pinned, or ``reserved`` for running tasks."""
+    return reserved + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
+
+
+def _input_bytes(ts) -> dict[str, int]:
+    """Worker -> bytes of ``ts``'s inputs it holds."""
+    inputs: dict[str, int] = {}
+    for d in ts.dependencies:
+        for w in d.who_has or ():
+            inputs[w.address] = inputs.get(w.address, 0) + d.get_nbytes()
+    return inputs
+
+
 def _rank(unit: list) -> tuple:
     """A parked task's (or gang's) place in line: its run's start, then its own submission."""
     return min((h.rank, h.since) for _, _, h in unit)
@@ -392,23 +406,19 @@ class BudgetEnforcer:
         """The workers a stuck unit could run on, its planned one first, with the room it lacks
         on each. A gang stays on its planned workers (its chunks were placed together)."""
         budget = self._settings.kv_budget_bytes or 0
+
+        def lacking(worker: str, need: int) -> int:
+            wu = self._usage.usage(self._scheduler.workers[worker], now)
+            return max(1, _unfreeable(wu, self._reserved.get(worker, 0)) + need - budget)
+
         need = sum(v.need for v in verdicts if v.worker == planned)
-        rooms = [Room(planned, max(1, self._unfreeable(planned, now) + need - budget),
-                      self._runs.pins_on(planned, self._held))]
+        rooms = [Room(planned, lacking(planned, need), self._runs.pins_on(planned, self._held))]
         if len(unit) == 1:
             _, ts, held = unit[0]
-            for ws in di.running_workers(self._scheduler):
-                if ws.address == planned:
-                    continue
-                v = self._decide(ts, held, ws.address, now)
-                lacking = 0 if v.action == ADMIT else max(1, self._unfreeable(ws.address, now) + v.need - budget)
-                rooms.append(Room(ws.address, lacking, self._runs.pins_on(ws.address, self._held)))
+            for w in self._other_workers(ts, planned):
+                v = self._decide(ts, held, w, now)
+                rooms.append(Room(w, 0 if v.action == ADMIT else lacking(w, v.need), self._runs.pins_on(w, self._held)))
         return rooms
-
-    def _unfreeable(self, worker: str, now: float) -> int:
-        """KV bytes on ``worker`` that eviction cannot free: pinned, or promised to running tasks."""
-        wu = self._usage.usage(self._scheduler.workers[worker], now)
-        return self._reserved.get(worker, 0) + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
 
     def _pick_worker(self, ts, held: Held, now: float) -> str | None:
         """The planned worker while it lives. Once it is gone, a running worker where the task
@@ -420,27 +430,24 @@ class BudgetEnforcer:
         fits = self._fits_elsewhere(ts, held, now)
         if fits is not None:
             return fits
-        inputs = self._input_bytes(ts)
+        inputs = _input_bytes(ts)
         if inputs:
             return max(sorted(inputs), key=inputs.get)
-        running = di.running_workers(self._scheduler)
-        return min(running, key=lambda ws: (len(ws.processing), ws.address)).address if running else None
+        return next(iter(self._other_workers(ts, held.target)), None)
 
-    def _input_bytes(self, ts) -> dict[str, int]:
-        """Worker -> bytes of ``ts``'s inputs it holds."""
-        inputs: dict[str, int] = {}
-        for d in ts.dependencies:
-            for w in d.who_has or ():
-                inputs[w.address] = inputs.get(w.address, 0) + d.get_nbytes()
-        return inputs
+    def _other_workers(self, ts, planned: str | None) -> list[str]:
+        """The running workers but ``planned``, those holding most of ``ts``'s inputs first, then
+        the least busy."""
+        inputs = _input_bytes(ts)
+        order = sorted((ws for ws in di.running_workers(self._scheduler) if ws.address != planned),
+                       key=lambda ws: (-inputs.get(ws.address, 0), len(ws.processing), ws.address))
+        return [ws.address for ws in order]
 
     def _fits_elsewhere(self, ts, held: Held, now: float) -> str | None:
-        """A running worker other than the planned one where the task fits now, most of its
-        inputs there first, then the least busy; None when it fits on none."""
-        inputs = self._input_bytes(ts)
-        order = sorted((ws for ws in di.running_workers(self._scheduler) if ws.address != held.target),
-                       key=lambda ws: (-inputs.get(ws.address, 0), len(ws.processing), ws.address))
-        return next((ws.address for ws in order if self._decide(ts, held, ws.address, now).action == ADMIT), None)
+        """A running worker other than the planned one where the task fits now
+        (``_other_workers``' order); None when it fits on none."""
+        return next((w for w in self._other_workers(ts, held.target)
+                     if self._decide(ts, held, w, now).action == ADMIT), None)
 
     def _move(self, entry: tuple, worker: str) -> None:
         """Send a parked task to ``worker`` instead of its planned one, with the tasks planned
@@ -479,7 +486,7 @@ class BudgetEnforcer:
         action = d.action
         if action == WAIT and running is not None:
             patience = self._settings.admission_patience
-            unfreeable = reserved + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
+            unfreeable = _unfreeable(wu, reserved)
             grew_at = self._room_grew_at(self._line(worker, held.namespace), ts.key, unfreeable, now)
             idle = not running and now - max(held.since, self._progress_at) >= patience
             starving = worker not in running and now - max(held.since, grew_at) >= STARVING * patience

@@ -76,11 +76,10 @@ class LeaseBook:
         its states' to keep, and it let those go; a lease left running would pin them until
         it expires - long enough for the run to retry and lease them again, so the task it
         was preempted for never gets their room."""
-        for k in list(self._holders):
-            if run in self.lease_runs(k):
-                self._forget_key_run(k, run)
-                if not self._holders.get(k):
-                    self._until.pop(k, None)
+        for k in [k for k, by_client in self._holders.items() if any(run in runs for runs in by_client.values())]:
+            self._forget_key_run(k, run)
+            if k not in self._holders:
+                self._until.pop(k, None)
 
     def _forget_key_run(self, key, run: tuple) -> None:
         by_client = self._holders.get(key, {})

@@ -140,8 +140,8 @@ class GateLine:
 
 class BackOff:
     """How many runs a gate lets in after KV deadlocks: ``cut`` to the runs still inside when
-    one is sent back, ``grow`` by one at most every ``calm_s`` without a cut (additive
-    increase, multiplicative-like decrease: a cluster finds how many runs its budget holds)."""
+    one is sent back, ``grow`` by one at most every ``calm_s`` without a cut (a cluster finds
+    how many runs its budget holds)."""
 
     __slots__ = ("cap", "_since")
 
