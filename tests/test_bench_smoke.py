@@ -11,6 +11,7 @@ toy sizes. The summary and router tests are pure.
 import importlib.util
 import json
 import math
+import time
 
 import pytest
 
@@ -343,13 +344,16 @@ def test_rebuild_reasons_counts_each_rule_that_rebuilt():
 def test_process_load_delta_counts_a_restarted_worker_from_its_new_start():
     from daskflow_kv.bench.process_load import delta
 
-    before = {"client": 1.0, "scheduler": 2.0, "workers": {"a": {"cpu_s": 5.0, "busy_s": 3.0},
-                                                           "b": {"cpu_s": 9.0, "busy_s": 8.0}}}
-    after = {"client": 4.5, "scheduler": 2.5, "workers": {"a": {"cpu_s": 7.0, "busy_s": 4.0},
-                                                          "b": {"cpu_s": 1.5, "busy_s": 0.5}}}  # b restarted
+    before = {"client": 1.0, "scheduler": 2.0, "scheduler_transitions": 100,
+              "workers": {"a": {"cpu_s": 5.0, "busy_s": 3.0, "transitions": 40},
+                          "b": {"cpu_s": 9.0, "busy_s": 8.0, "transitions": 70}}}
+    after = {"client": 4.5, "scheduler": 2.5, "scheduler_transitions": 160,
+             "workers": {"a": {"cpu_s": 7.0, "busy_s": 4.0, "transitions": 65},
+                         "b": {"cpu_s": 1.5, "busy_s": 0.5, "transitions": 12}}}  # b restarted
     d = delta(before, after)
     assert d["cpu_s"] == {"client": 3.5, "scheduler": 0.5, "workers": {"a": 2.0, "b": 1.5}}
     assert d["step_busy_s"] == {"a": 1.0, "b": 0.5}
+    assert d["transitions"] == {"scheduler": 60, "workers": {"a": 25, "b": 12}}
     same = delta(before | {"scheduler": None}, after | {"scheduler": None})  # scheduler in the client's process
     assert same["cpu_s"]["scheduler"] is None and same["cpu_s"]["client"] == 3.5
 
@@ -378,3 +382,26 @@ def test_a_run_the_model_cannot_replay_says_so_and_keeps_its_files(tmp_path):
     kept = json.loads(path.read_text())
     assert "exp7_modeled" not in kept and "no calibration.prefill_profiles" in kept["exp7_modeled_error"]
     assert lines(kept)[2].startswith("Not simulated: ValueError: ")
+
+
+def test_a_routed_group_whose_worker_is_gone_runs_on_a_live_one(monkeypatch):
+    """The local baseline pins each routed group to its worker (strict: no work stealing). A
+    worker Dask's nanny restarted comes back under a new address, and a group pinned to the
+    old one waited forever: the stream hung (2026-12-06). It runs again on a live worker."""
+    import operator
+    from types import SimpleNamespace
+
+    from distributed import Client, LocalCluster
+
+    from daskflow_kv.bench import systems
+
+    monkeypatch.setattr(systems, "LOST_WORKER_POLL_S", 0.2)
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        gone = "tcp://127.0.0.1:9"  # no worker there: as an address whose worker restarted
+        fut = client.submit(operator.add, 1, 2, workers=[gone], allow_other_workers=False, pure=False)
+        t0 = time.time()
+        assert systems._result(SimpleNamespace(client=client), gone, fut, (operator.add, 1, 2)) == 3
+        assert time.time() - t0 < 10
+        live = next(iter(client.scheduler_info()["workers"]))
+        fut = client.submit(operator.mul, 2, 3, workers=[live], allow_other_workers=False, pure=False)
+        assert systems._result(SimpleNamespace(client=client), live, fut, (operator.mul, 2, 3)) == 6

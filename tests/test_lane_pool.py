@@ -81,3 +81,23 @@ def test_a_new_pool_takes_its_first_slots_only_while_they_stay_small():
     h = _Group()
     big.place(h, 100)  # a second lane: the pool doubles, the first keeps its place
     assert len(big.owners) == 2 and (g.slot, h.slot) == (0, 1)
+
+
+def test_the_pool_never_grows_past_its_bound_and_a_lane_past_it_is_not_pooled():
+    """Unbounded, a stream of long prompts doubled the pool until Dask's nanny restarted the
+    worker (2026-12-06). A lane that would take the pool past ``max_bytes`` is refused (the
+    step loop gives it a workspace of its own); freeing a slot lets the next one in again."""
+    slot = 2 * 2 * 3 * ROUND * 4 * 4  # K and V, 2 layers, 3 heads, ROUND tokens, 4 dims, fp32
+    pool = LanePool(layers=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", max_bytes=8 * slot)
+    groups = [_Group() for _ in range(8)]
+    for g in groups:
+        assert pool.accepts(10)
+        pool.place(g, 10)
+    assert pool.nbytes == 8 * slot
+    assert not pool.accepts(10)  # a ninth slot would double the pool to 16
+    assert not pool.accepts(ROUND + 1)  # nor may a longer lane lengthen every slot past the bound
+    pool.release(groups[3])
+    assert pool.accepts(10) and pool.place(_Group(), 10) == 3 and pool.nbytes == 8 * slot
+    tiny = LanePool(layers=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", max_bytes=slot)
+    tiny.place(_Group(), 10)  # an empty pool takes one lane, its first slots cut to the bound
+    assert len(tiny.owners) == 1 and not tiny.accepts(10)

@@ -143,6 +143,12 @@ def test_decode_rows_of_many_solo_requests_attend_together_exactly(engine_factor
     for r, f in zip(reqs, futures):
         _assert_same(f.result(120), _alone(engine, r), "float32")
     assert calls and max(calls) >= 3
+    # each step records what its pooled attention computed: rows, the slot span, padded keys
+    pooled = [s for s in eng.recent if s.pool_rows]
+    layers = engine.runner.num_layers  # attend runs once per layer of a pooled step
+    assert sorted(r for s in pooled for r in [s.pool_rows] * layers) == sorted(calls)
+    assert all(s.pool_rows <= s.pool_slots for s in pooled)
+    assert all(s.pool_rows * s.pool_width > s.decode_keys for s in pooled if s.decode_rows == s.pool_rows)
     pool = eng._cache.pool
     assert pool.k == [] and not any(pool.owners)  # every lane left: the pool gave its memory back
     eng.stop()
@@ -244,3 +250,32 @@ def test_the_loop_records_what_each_step_fed_joined_and_cut(engine_factory):
     assert first.prompt_attn >= first.prompt_tokens * len(ctx)
     starts = [s.started for s in shapes]  # wall-clock starts, in order, no two steps overlapping
     assert all(b >= a + s.seconds - 1e-3 for a, b, s in zip(starts, starts[1:], shapes))
+    # the loop thread's own CPU in each step: some, and never more than the step's wall time
+    assert all(0 < s.cpu <= s.seconds + 1e-3 for s in shapes)
+
+
+def test_requests_past_the_pools_bound_attend_alone_and_stay_exact(engine_factory, monkeypatch):
+    """``batching.pool-bytes``: with room for a few slots, the other solo requests get
+    workspaces of their own while those share the pool; every request is still exact."""
+    from daskflow_kv.model import lane_pool
+    from daskflow_kv.model.lane_pool import ROUND
+
+    sizes = []
+    grow = lane_pool.LanePool._grow
+    monkeypatch.setattr(lane_pool.LanePool, "_grow", lambda self, *a: (grow(self, *a), sizes.append(self.nbytes)))
+    engine = engine_factory("tiny-llama", "float32")
+    rn = engine.runner
+    two_slots = 2 * (2 * rn.num_layers * rn.kv_heads * 2 * ROUND * rn.head_dim * 4)
+    eng = StepEngine(rn, step_tokens=64, pool_bytes=two_slots)
+    reqs = []
+    for i in range(6):
+        ctx, blocks = _prefix(engine, CONTEXTS[i % 4])
+        reqs.append(StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[i % 4]), 6, stream=i, return_logits=True))
+    futures = eng.submit(reqs)
+    for r, f in zip(reqs, futures):
+        _assert_same(f.result(120), _alone(engine, r), "float32")
+    shapes = list(eng.recent)
+    assert sizes and max(sizes) <= two_slots  # the pool never passed its bound
+    assert 1 < max(s.pool_rows for s in shapes) < len(reqs)  # some attended in the pool at once...
+    assert any(s.decode_rows > s.pool_rows for s in shapes if s.pool_rows)  # ...beside rows attending alone
+    eng.stop()

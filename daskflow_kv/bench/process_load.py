@@ -8,6 +8,8 @@ models by however much CPU the rest took. Exp 7 records, per row, the delta of:
   threads), the scheduler (None when it runs in the bench process, as a ``LocalCluster``'s
   does: counted in the client's), and each worker;
 * ``step_busy_s``: seconds each worker's step loops spent inside forward steps;
+* ``transitions``: task state transitions the scheduler and each worker made (their Dask
+  state machines' counters): the event-loop work the row's tasks cost, beside the steps;
 * ``step_shapes`` (only with ``DASKFLOW_KV_BENCH_STEP_SHAPES=1``: a row's steps weigh ~100 KB):
   every step each worker ran in the row, as ``model.step_shape.StepShape`` records it
   (``step_shape_fields`` names the columns), to set beside the same shapes measured on a
@@ -34,7 +36,8 @@ def worker_load(dask_worker=None) -> dict:
 
     stats = engine_stats().values()
     return {"cpu_s": _cpu_seconds(), "busy_s": sum(st["busy_s"] for st in stats),
-            "steps": sum(st["steps"] for st in stats)}
+            "steps": sum(st["steps"] for st in stats),
+            "transitions": dask_worker.state.transition_counter if dask_worker is not None else 0}
 
 
 def worker_steps(n: int, dask_worker=None) -> list[list]:
@@ -53,16 +56,16 @@ def step_shapes(client, before: dict, after: dict) -> dict:
     return {"step_shape_fields": list(STEP_FIELDS), "step_shapes": out}
 
 
-def scheduler_cpu(dask_scheduler=None) -> tuple[int, float]:
-    return os.getpid(), _cpu_seconds()
+def scheduler_cpu(dask_scheduler=None) -> tuple[int, float, int]:
+    return os.getpid(), _cpu_seconds(), dask_scheduler.transition_counter if dask_scheduler is not None else 0
 
 
 def snapshot(client) -> dict:
     """The cluster's counters now (cumulative; ``delta`` of two is a row's load). A scheduler
     in the client's own process (a ``LocalCluster``'s) reports None: its CPU is the client's."""
-    pid, sched = client.run_on_scheduler(scheduler_cpu)
+    pid, sched, transitions = client.run_on_scheduler(scheduler_cpu)
     return {"client": _cpu_seconds(), "scheduler": None if pid == os.getpid() else sched,
-            "workers": client.run(worker_load)}
+            "scheduler_transitions": transitions, "workers": client.run(worker_load)}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -72,10 +75,12 @@ def delta(before: dict, after: dict) -> dict:
     was = before["workers"]
 
     def d(addr: str, k: str) -> float:
-        now, then = workers[addr][k], was.get(addr, {}).get(k, 0.0)
+        now, then = workers[addr].get(k, 0), was.get(addr, {}).get(k, 0)
         return round(now - then if now >= then else now, 3)
 
     sched = None if after["scheduler"] is None else round(after["scheduler"] - before["scheduler"], 3)
     return {"cpu_s": {"client": round(after["client"] - before["client"], 3), "scheduler": sched,
                       "workers": {a: d(a, "cpu_s") for a in workers}},
-            "step_busy_s": {a: d(a, "busy_s") for a in workers}}
+            "step_busy_s": {a: d(a, "busy_s") for a in workers},
+            "transitions": {"scheduler": after.get("scheduler_transitions", 0) - before.get("scheduler_transitions", 0),
+                            "workers": {a: int(d(a, "transitions")) for a in workers}}}

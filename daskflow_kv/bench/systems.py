@@ -36,6 +36,7 @@ from . import worker_tasks as wt
 from .router import CacheAwareRouter
 from .workload import Workload
 
+LOST_WORKER_POLL_S = 2.0  # how often a routed group's wait checks that its worker still lives
 SYSTEMS = ("text", "hf", "local", "dkv")
 OPTIONAL_SYSTEMS = ("dkv-transfer", "dkv-recompute")
 LABELS = {
@@ -182,10 +183,9 @@ def run_hf(b: Bench, wl: Workload) -> SystemRun:
     for i, s in enumerate(wl.suffixes):
         groups.setdefault(workers[i % len(workers)], []).append((i, s))
     t0 = time.time()
-    futs = [rt.client.submit(wt.hf_recipe, rt.spec, wl.prefix, branches, wl.max_new_tokens, workers=[w],
-                             allow_other_workers=False, pure=False)
-            for w, branches in groups.items()]
-    outs = rt.client.gather(futs)
+    calls = [(w, (wt.hf_recipe, rt.spec, wl.prefix, branches, wl.max_new_tokens)) for w, branches in groups.items()]
+    futs = [rt.client.submit(*args, workers=[w], allow_other_workers=False, pure=False) for w, args in calls]
+    outs = [_result(b, w, f, args) for (w, args), f in zip(calls, futs)]
     wall = time.time() - t0
     agents, spans, shared, copied, kv, tokens = [], {}, 0.0, 0, 0, 0
     for out in outs:
@@ -211,17 +211,32 @@ def submit_local(b: Bench, prefix: list[int], suffixes: list[list[int]], max_new
     routes = b.router.route(prefix, suffixes, max_new)
     out = []
     for w, (idxs, predicted) in routes.items():
-        fut = b.client.submit(le.run_group, b.rt.spec, list(prefix), [(i, list(suffixes[i])) for i in idxs], max_new,
-                              b.retain_bytes, workers=[w], allow_other_workers=False, pure=False)
-        out.append((w, idxs, predicted, fut))
+        args = (le.run_group, b.rt.spec, list(prefix), [(i, list(suffixes[i])) for i in idxs], max_new, b.retain_bytes)
+        # strict: a loose restriction would let Dask's work stealing move a routed group
+        fut = b.client.submit(*args, workers=[w], allow_other_workers=False, pure=False)
+        out.append((w, idxs, predicted, fut, args))
     return out
+
+
+def _result(b: Bench, w: str | None, fut, args) -> dict:
+    """``fut``'s result; if its worker ``w`` leaves first (Dask's nanny restarts a worker past 95 % of
+    its memory, under a new address), the group again on any live worker, its cache cold
+    there. Pinned to the gone address, such a group waited forever and hung the stream
+    (2026-12-06)."""
+    while True:
+        try:
+            return fut.result(timeout=LOST_WORKER_POLL_S)
+        except TimeoutError:
+            if w is not None and w not in b.client.scheduler_info()["workers"]:
+                fut.cancel()
+                fut, w = b.client.submit(*args, pure=False), None  # unpinned now: wait for it as it is
 
 
 def finish_local(b: Bench, prefix: list[int], suffixes: list[list[int]], submitted: list[tuple]) -> list[dict]:
     """Gather routed groups; tell the router what each worker now caches."""
     outs = []
-    for w, idxs, predicted, fut in submitted:
-        out = fut.result()
+    for w, idxs, predicted, fut, args in submitted:
+        out = _result(b, w, fut, args)
         seqs = [list(prefix) + list(suffixes[br["index"]]) + br["tokens"][:-1] for br in out["branches"]]
         b.router.done(w, predicted, seqs)
         outs.append(out)

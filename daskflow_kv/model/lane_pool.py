@@ -13,6 +13,13 @@ its own (and attends alone). The pool grows by copying (slots x2; length to the 
 rounded up), is freed when its last lane leaves, and starts with zeros: masked keys are
 multiplied by an exact zero weight, so what sits past a lane's length must stay finite.
 
+A pool never grows past ``max_bytes`` (``daskflow-kv.batching.pool-bytes``): a lane that would
+take it further keeps a workspace of its own, sized to its need. Unbounded, a stream of
+1,024-token prompts on a loaded CPU worker doubled the pool to tens of ~60 MB slots, the old
+and new tensors held at once while copying, and Dask's nanny restarted the worker at 95 %
+of its 8 GiB (2026-12-06); the slots between a step's decode rows are computed too
+(``step_cache._PoolRows``), so a wide, sparse pool also costs time.
+
 A new pool takes ``FIRST_SLOTS`` slots, fewer when they would pass ``FIRST_BYTES``: a
 lone request over a long prefix otherwise zeroed four workspaces to use one, and fresh
 pages cost more than the copy itself (a 4,096-token SmolLM2 prefix: 778 MB zeroed, its
@@ -28,14 +35,16 @@ ROUND = 128  # slot lengths are multiples of this, so a slightly longer newcomer
 MAX_STRETCH = 4  # a lane may lengthen every slot this many times at most (its padding)
 FIRST_SLOTS = 4  # slots a new pool starts with, so that the next lanes join without a copy...
 FIRST_BYTES = 256 << 20  # ...unless that many slots would take more than this (then fewer, at least one)
+MAX_BYTES = 1 << 30  # the default bound on a pool's tensors (``batching.pool-bytes``)
 
 
 class LanePool:
     """Slots of one K/V tensor per layer; a slot holds one solo group's workspace."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, max_bytes: int = MAX_BYTES):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        self.max_bytes = int(max_bytes)  # the pool's tensors never grow past this
         self.k: list[torch.Tensor] = []  # per layer [slots, kvh, capacity, d]
         self.v: list[torch.Tensor] = []
         self.owners: list = []  # per slot: the group in it, or None
@@ -45,19 +54,25 @@ class LanePool:
         return self.k[0].shape[2] if self.k else 0
 
     def accepts(self, length: int) -> bool:
-        """Would a workspace of ``length`` tokens join without padding every slot too much?"""
-        return not any(self.owners) or length <= MAX_STRETCH * self.capacity
+        """Would a workspace of ``length`` tokens join without padding every slot too much, and
+        without growing the pool past ``max_bytes``? (An empty pool takes any one lane.)"""
+        if not any(self.owners):
+            return True
+        if length > MAX_STRETCH * self.capacity:
+            return False
+        slots = len(self.owners) if None in self.owners else 2 * len(self.owners)
+        return slots * self._slot_bytes(max(self.capacity, _rounded(length))) <= self.max_bytes
 
     def place(self, group, length: int) -> int:
         """Give ``group`` a slot of at least ``length`` tokens; sets ``group.ws`` to its views."""
         free = next((i for i, g in enumerate(self.owners) if g is None), None)
-        capacity = max(self.capacity, -(-length // ROUND) * ROUND)
+        capacity = max(self.capacity, _rounded(length))
         if free is not None:
             slots = len(self.owners)
         elif self.owners:
             slots = 2 * len(self.owners)
         else:
-            slots = max(1, min(FIRST_SLOTS, FIRST_BYTES // self._slot_bytes(capacity)))
+            slots = max(1, min(FIRST_SLOTS, min(FIRST_BYTES, self.max_bytes) // self._slot_bytes(capacity)))
         if free is None or length > self.capacity:
             self._grow(slots, capacity)
             free = self.owners.index(None)
@@ -94,3 +109,7 @@ class LanePool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def _rounded(length: int) -> int:
+    return -(-length // ROUND) * ROUND

@@ -153,6 +153,9 @@ class StepCache:
         self._masks: dict = {}  # (q, past, window) -> mask, for this step
         self.pool = pool  # where solo groups live; their decode rows attend together (``_PoolRows``)
         self._pooled: _PoolRows | None = None  # this step's decode rows in the pool
+        # the last step's pooled attention: (rows, slots attended, keys per slot); the slots
+        # between its rows' and every key up to the longest are computed too (StepShape)
+        self.pooled_shape = (0, 0, 0)
 
     # -- one step -------------------------------------------------------------------------------
     def begin(self, lanes: list[Lane], q_lens: list[int], position_ids: torch.Tensor) -> None:
@@ -169,6 +172,8 @@ class StepCache:
             rows = [(lane, a) for lane, (a, b) in zip(lanes, self._spans) if b - a == 1 and lane.group.slot is not None]
             if len(rows) > 1:  # one row attends as fast alone
                 self._pooled = _PoolRows(rows, self.device)
+        p = self._pooled
+        self.pooled_shape = (len(p.lanes), p.n.shape[0], p.width) if p is not None else (0, 0, 0)
 
     def end(self) -> None:
         for lane, (a, b) in zip(self._lanes, self._spans):

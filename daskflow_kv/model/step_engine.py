@@ -39,7 +39,7 @@ from .batched import batched_twin
 from .batched_cache import CTX_KW, unsupported_layers
 from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
-from .lane_pool import LanePool
+from .lane_pool import MAX_BYTES, LanePool
 from .step_cache import Group, Lane, StepCache
 from .step_shape import StepShape
 
@@ -118,10 +118,12 @@ class EngineStats:
 class StepEngine:
     """The step loop of one model in one process. Thread-safe ``submit``; one loop thread."""
 
-    def __init__(self, runner: ModelRunner, step_tokens: int = 512, max_running: int = 64):
+    def __init__(self, runner: ModelRunner, step_tokens: int = 512, max_running: int = 64,
+                 pool_bytes: int | None = None):
         self.runner = runner
         self.step_tokens = int(step_tokens)  # token budget of one step
         self.max_running = int(max_running)  # requests in the running batch at most
+        self.pool_bytes = MAX_BYTES if pool_bytes is None else int(pool_bytes)  # the lane pool's bound
         cfg = runner.model.config
         self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         # Why a model runs solo, or None when its requests share packed forwards.
@@ -222,15 +224,17 @@ class StepEngine:
         self._waiting.clear()
 
     def _step(self, joining: list[_Live], plan) -> None:
-        t0, started = time.perf_counter(), time.time()
+        t0, started, cpu0 = time.perf_counter(), time.time(), time.thread_time()
         for x in joining:
             self._join(x)
         feeds = {rid: n for rid, n in plan.feeds}
         fed = [x for x in self._running if feeds.get(x.rid)]
         packed = [x for x in fed if x.lane is not None]
         logits: dict[int, torch.Tensor] = {}
+        pooled = (0, 0, 0)
         if packed:
             logits.update(self._packed_forward(packed, feeds))
+            pooled = self._cache.pooled_shape
         for x in fed:
             if x.cache is not None:  # solo: its own forward, the chunk ModelRunner.run would feed
                 logits[x.rid] = self.runner.feed(x.cache, x.next_tokens(feeds[x.rid]))
@@ -248,12 +252,14 @@ class StepEngine:
         st.steps += 1
         st.rows, st.batch = sum(feeds[x.rid] for x in fed), len(fed)
         st.batch_total += len(fed)
-        st.step_s = time.perf_counter() - t0
+        st.step_s, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         st.busy_s += st.step_s
         st.running = len(self._running)
         bs = self.runner.block_size
-        self.recent.append(replace(shape, finished=len(done), seconds=st.step_s, started=started, exported_tokens=sum(
-            x.position - aligned_floor(x.req.prefix_len, bs) for x in done if x.req.export)))
+        exported = sum(x.position - aligned_floor(x.req.prefix_len, bs) for x in done if x.req.export)
+        self.recent.append(replace(shape, finished=len(done), seconds=st.step_s, started=started, cpu=cpu,
+                                   pool_rows=pooled[0], pool_slots=pooled[1], pool_width=pooled[2],
+                                   exported_tokens=exported))
 
     @staticmethod
     def _shape(joining: list[_Live], fed: list[_Live], feeds: dict[int, int]) -> StepShape:
@@ -303,7 +309,8 @@ class StepEngine:
             rn = self.runner
             self._cache = StepCache(self.config, rn.dtype, rn.device)
             if self._cache.decode_fast:  # its decode rows can attend at once: solo groups live in one pool
-                self._cache.pool = LanePool(rn.num_layers, rn.kv_heads, rn.head_dim, rn.dtype, rn.device)
+                self._cache.pool = LanePool(rn.num_layers, rn.kv_heads, rn.head_dim, rn.dtype, rn.device,
+                                            self.pool_bytes)
         return self._cache
 
     def _packed_forward(self, packed: list[_Live], feeds: dict[int, int]) -> dict[int, torch.Tensor]:

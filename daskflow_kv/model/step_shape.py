@@ -25,6 +25,10 @@ class StepShape:
     exported_tokens: int = 0  # tokens of the blocks cut for them
     seconds: float = 0.0  # the step's wall time, joins and exports included
     started: float = 0.0  # time.time() as it began: steps of a host's workers set side by side
+    pool_rows: int = 0  # decode rows that attended in the lane pool at once (``step_cache._PoolRows``)...
+    pool_slots: int = 0  # ...over this many slots (the span their slots cover, gaps included)...
+    pool_width: int = 0  # ...each padded to this many keys (the longest row's)
+    cpu: float = 0.0  # the step loop thread's CPU seconds in it: wall - cpu is time it waited for a core or the GIL
 
     def as_dict(self) -> dict:
         return asdict(self)

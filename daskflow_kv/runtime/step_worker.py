@@ -8,7 +8,8 @@ whether Dask still wants it; a cancelled or released task takes its requests out
 batch at the next step. Its result is what ``ModelRunner.run`` would have returned.
 
 Settings: ``daskflow-kv.batching.step-tokens`` (a step's token budget: decode rows plus
-prefill chunks) and ``daskflow-kv.batching.max-running`` (requests in a batch at most).
+prefill chunks), ``daskflow-kv.batching.max-running`` (requests in a batch at most) and
+``daskflow-kv.batching.pool-bytes`` (the decode lane pool's tensors at most, ``model.lane_pool``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def engine_for(runner: ModelRunner) -> StepEngine:
         eng = _ENGINES.get(id(runner))
         if eng is None or eng.runner is not runner:
             eng = _ENGINES[id(runner)] = StepEngine(runner, int(config.get("batching.step-tokens")),
-                                                    int(config.get("batching.max-running")))
+                                                    int(config.get("batching.max-running")),
+                                                    config.get_bytes("batching.pool-bytes"))
         return eng
 
 

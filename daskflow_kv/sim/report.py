@@ -173,6 +173,10 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                "slowdown": case.slowdown, "steps_priced_held_out": case.held_out,
                # the row's measured step seconds over the modeled price of the same steps
                "step_speed": speed,
+               # prompt tokens its workers fed in steps over those its finished tasks reported
+               # (``tokens_prefilled``): above 1, work done and thrown away - requests cancelled
+               # mid-way (a preempted run's level, redone) - which the model never does
+               "fed_over_counted": fed_over_counted(steps[0], r.get("tokens_prefilled")) if steps else None,
                # how evenly the work fell: each worker's step seconds, busiest first
                "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
                                   "simulated": sorted(sim["step_busy_by_worker"] or (), reverse=True)}}
@@ -192,6 +196,12 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                 row[m]["error_at_row_speed"] = (steady[m] - meas) / meas if meas else None
         out.append(row)
     return out
+
+
+def fed_over_counted(by_worker: dict[str, list[dict]], counted) -> float | None:
+    """Prompt tokens a row's recorded steps fed, over the tokens its finished tasks counted."""
+    fed = sum(s.get("prompt_tokens", 0) for steps in by_worker.values() for s in steps)
+    return fed / counted if counted else None
 
 
 def measured_totals(row: dict) -> dict:
@@ -287,16 +297,20 @@ def markdown(result: dict) -> str:
                      else ".")
                   + " \"Steps vs model\": the row's measured step seconds over the model's price of the same "
                     "recorded steps (rows that recorded them, with step costs): above 1 the host ran slower "
-                    "during the row than the model prices, whatever work the row did.", "",
-                  "| system | stream | rep | other cores | slowdown | steps vs model | metric | measured | MODELED | error |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                    "during the row than the model prices, whatever work the row did. \"Fed / counted\": the "
+                    "prompt tokens the row's steps fed over those its finished tasks counted (`tokens_prefilled`): "
+                    "above 1, work thrown away (requests cancelled mid-way, as a preempted run's are), which "
+                    "the model does not do.", "",
+                  "| system | stream | rep | other cores | slowdown | steps vs model | fed / counted | metric | measured "
+                  "| MODELED | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in fid:
             for m in (m for m in METRICS if m in r):
                 x = r[m]
                 err = _f(None if x["error"] is None else 100 * x["error"], "{:+.0f} %")
                 lines.append(f"| {r['system']} | {r['stream']} | {r['rep']} | {_f(r.get('other_cores'), '{:.2f}')} | "
                              f"{_f(r.get('slowdown'), '{:.2f}x')} | {_f(r.get('step_speed'), '{:.2f}x')} | "
-                             f"{m} | {_f(x['measured'])} | "
+                             f"{_f(r.get('fed_over_counted'), '{:.2f}')} | {m} | {_f(x['measured'])} | "
                              f"{_f(x['simulated'])} | {err} |")
         lines.append("")
     ens = result.get("ensemble")
