@@ -399,6 +399,7 @@ class BudgetEnforcer:
                 done.add(key)
                 self._held.pop(key, None)
                 self._events.record("preempt", held.namespace, worker=v.worker, key=str(key), reason=reason)
+                self._catalog.count("preemptions", namespace=held.namespace)
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
 

@@ -619,7 +619,7 @@ def test_simulate_refuses_draws_it_cannot_take_in_one_line(tmp_path, capsys):
 
 def test_fidelity_shows_the_prompt_work_a_row_threw_away():
     """Ungated under a binding budget, daskflow-kv's workers fed 9-30 % more prompt tokens than
-    its finished tasks counted (requests cancelled mid-way, redone); `local` feeds exactly what
+    its finished tasks counted (work no finished task reported); `local` feeds exactly what
     it counts, and behind the gate daskflow-kv feeds no more than it counts (the model never
     throws work away)."""
     run = "benchmarks/results/bench_workflow_gate_deep.json"

@@ -41,7 +41,7 @@ from .multiround import run_local_mode
 SYSTEMS = ("local", "dkv")  # text replay runs once per stream kind, as the reference
 STREAMS = ("uniform", "zipf", "zipf-budget")
 SATURATED = 0.8  # completions / offered rate below this: the system is saturated
-COUNTERS = ("transfers", "bytes_transferred", "evictions", "bytes_evicted", "evictions_regretted")
+COUNTERS = ("transfers", "bytes_transferred", "evictions", "bytes_evicted", "evictions_regretted", "preemptions")
 
 
 def _run_one(b: S.Bench, system: str, wf) -> dict:

@@ -174,8 +174,8 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                # the row's measured step seconds over the modeled price of the same steps
                "step_speed": speed,
                # prompt tokens its workers fed in steps over those its finished tasks reported
-               # (``tokens_prefilled``): above 1, work done and thrown away - requests cancelled
-               # mid-way (a preempted run's level, redone) - which the model never does
+               # (``tokens_prefilled``): above 1, work no finished task counted (requests
+               # cancelled mid-way, or prefills no workflow reported), which the model never does
                "fed_over_counted": fed_over_counted(steps[0], r.get("tokens_prefilled")) if steps else None,
                # how evenly the work fell: each worker's step seconds, busiest first
                "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
@@ -299,8 +299,8 @@ def markdown(result: dict) -> str:
                     "recorded steps (rows that recorded them, with step costs): above 1 the host ran slower "
                     "during the row than the model prices, whatever work the row did. \"Fed / counted\": the "
                     "prompt tokens the row's steps fed over those its finished tasks counted (`tokens_prefilled`): "
-                    "above 1, work thrown away (requests cancelled mid-way, as a preempted run's are), which "
-                    "the model does not do.", "",
+                    "above 1, work no finished task counted (requests cancelled mid-way, or prefills no "
+                    "workflow reported), which the model does not do.", "",
                   "| system | stream | rep | other cores | slowdown | steps vs model | fed / counted | metric | measured "
                   "| MODELED | error |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -41,6 +41,7 @@ COUNTERS = (
     "evictions",
     "bytes_evicted",
     "evictions_regretted",  # evicted blocks that were computed (or loaded) again later: the budget's misses
+    "preemptions",  # waiting KV tasks the budget failed with KVPreempted to break a deadlock (their level is redone)
     "store_writes",  # blocks workers wrote to the persistent store
     "store_bytes_written",
     "store_loads",  # blocks loaded from the store instead of prefilled

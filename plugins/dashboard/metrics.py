@@ -15,6 +15,7 @@ page's counters with a ``daskflow_kv_`` prefix:
 ``daskflow_kv_evictions_total``        blocks released under the byte budget
 ``daskflow_kv_bytes_evicted_total``    bytes those blocks held
 ``daskflow_kv_evictions_regretted_total``  evicted blocks that were needed, and made, again
+``daskflow_kv_preemptions_total``      waiting tasks the budget preempted (their level redone)
 ``daskflow_kv_store_writes_total``     blocks workers wrote to the persistent store
 ``daskflow_kv_store_bytes_written_total``  bytes those blocks hold
 ``daskflow_kv_store_loads_total``      blocks loaded from the store instead of prefilled
@@ -72,6 +73,7 @@ COUNTERS = {
     "evictions": ("KV blocks released under the per-worker byte budget", "counter"),
     "bytes_evicted": ("KV bytes released under the per-worker byte budget", "counter"),
     "evictions_regretted": ("Evicted KV blocks that were needed, and made, again", "counter"),
+    "preemptions": ("Waiting KV tasks the budget preempted to break a deadlock (their level is redone)", "counter"),
     "store_writes": ("KV blocks workers wrote to the persistent store", "counter"),
     "store_bytes_written": ("KV bytes workers wrote to the persistent store", "counter"),
     "store_loads": ("KV blocks loaded from the persistent store instead of prefilled", "counter"),

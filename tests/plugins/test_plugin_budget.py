@@ -249,6 +249,7 @@ async def test_on_a_deadlock_only_the_youngest_waiting_task_is_preempted(c, s, a
     assert plugin.budget.awaiting_admission(older.key)  # the older one waits on, its patience anew
     [pre] = events(plugin, "preempt")
     assert pre["key"] == younger.key
+    assert plugin.catalog.counters["preemptions"] == 1  # counted for the page and /metrics too
     del held  # its client lets go: the older task runs
     assert len(await older) == 400
 
