@@ -41,7 +41,10 @@ from .multiround import run_local_mode
 SYSTEMS = ("local", "dkv")  # text replay runs once per stream kind, as the reference
 STREAMS = ("uniform", "zipf", "zipf-budget")
 SATURATED = 0.8  # completions / offered rate below this: the system is saturated
-COUNTERS = ("transfers", "bytes_transferred", "evictions", "bytes_evicted", "evictions_regretted", "preemptions")
+# the scheduler's counters a row records (``lineage_recomputes``: blocks Dask made again from
+# lineage, e.g. evicted between a lookup that found them and the task that read them)
+COUNTERS = ("transfers", "bytes_transferred", "evictions", "bytes_evicted", "evictions_regretted", "preemptions",
+            "lineage_recomputes", "tokens_computed")
 
 
 def _run_one(b: S.Bench, system: str, wf) -> dict:
