@@ -222,6 +222,10 @@ class ClientHandlers:
             raise ValueError("a state id appears twice in one registration")
         keys = {k for m in metas for k in m["block_keys"]}
         await self.arrivals.wait_for(lambda: keys <= self._scheduler.tasks.keys(), self._settings.register_wait)
+        if s.client not in self._scheduler.clients:
+            # It left while this waited: remove_client has released its states already, and one
+            # added now would stay live for good (seen once under load, tests/test_client_lost.py).
+            return
         foreign = [k for k in keys if self._catalog.namespace_of(k) not in (None, s.namespace)]
         if foreign:
             raise AccessDenied(f"block {short_key(foreign[0])} is another namespace's: a state lists only its "
