@@ -60,17 +60,14 @@ class LanePool:
             return True
         if length > MAX_STRETCH * self.capacity:
             return False
-        slots = len(self.owners) if None in self.owners else 2 * len(self.owners)
-        return slots * self._slot_bytes(max(self.capacity, _rounded(length))) <= self.max_bytes
+        return self._slots_after_join() * self._slot_bytes(max(self.capacity, _rounded(length))) <= self.max_bytes
 
     def place(self, group, length: int) -> int:
         """Give ``group`` a slot of at least ``length`` tokens; sets ``group.ws`` to its views."""
         free = next((i for i, g in enumerate(self.owners) if g is None), None)
         capacity = max(self.capacity, _rounded(length))
-        if free is not None:
-            slots = len(self.owners)
-        elif self.owners:
-            slots = 2 * len(self.owners)
+        if self.owners:
+            slots = self._slots_after_join()
         else:
             slots = max(1, min(FIRST_SLOTS, min(FIRST_BYTES, self.max_bytes) // self._slot_bytes(capacity)))
         if free is None or length > self.capacity:
@@ -86,6 +83,10 @@ class LanePool:
         group.slot = None
         if not any(self.owners):  # the last lane left: give the memory back
             self.k, self.v, self.owners = [], [], []
+
+    def _slots_after_join(self) -> int:
+        """A non-empty pool's slots once one more lane joins: as many if one is free, else twice."""
+        return len(self.owners) if None in self.owners else 2 * len(self.owners)
 
     def _views(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length]) for k, v in zip(self.k, self.v)]
