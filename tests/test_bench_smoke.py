@@ -112,6 +112,15 @@ def test_bench_multiround_and_load_agree_with_text(tmp_path):
             assert r["cpu_s"]["client"] > 0 and r["cpu_s"]["scheduler"] is None  # LocalCluster: in-process
             assert all(c >= 0 for c in r["cpu_s"]["workers"].values()) and sum(r["cpu_s"]["workers"].values()) > 0
             assert sum(r["step_busy_s"].values()) > 0
+            if r["system"] == "dkv":  # where its prompt work went: three counts that must agree
+                led, ops = r["prefill_ledger"], r["prompt_by_op"].values()
+                fed, dropped, told = (sum(n for w in ops for n in w.get(k, {}).values())
+                                      for k in ("fed", "dropped", "reported"))
+                assert led["complete"] and sum(led["by_op"].values()) == r["tokens_computed"] == told > 0
+                # what the workers reported is what their step loops fed, less what left without
+                # a result, plus what parallel chunks computed outside the loops
+                assert told <= fed + led["chunk_tokens"] and (dropped or told == fed + led["chunk_tokens"])
+                assert r["tokens_prefilled"] == r["tokens_computed"] + dropped and r["tokens_counted"] > 0
             if r["system"] == "local":  # what its router priced with, for a replay (sim.report.replays)
                 assert set(r["router_profiles"]) == set(r["step_busy_s"])
                 for p in r["router_profiles"].values():  # a fit: no negative term, not all zero
@@ -341,19 +350,48 @@ def test_rebuild_reasons_counts_each_rule_that_rebuilt():
                    "sooner": {"n": 1, "tokens": 100, "src_ready_s": 2.0, "dst_wait_s": 0.5}}
 
 
+def test_the_prefill_ledger_sorts_reported_work_into_reruns_and_lone_chunks():
+    from daskflow_kv.bench.prefill_ledger import ledger
+
+    events = [{"op": "materialize", "state_id": "m1", "new_tokens": 300, "prefix_tokens": 0},
+              {"op": "resume", "state_id": "b1", "new_tokens": 40, "prefix_tokens": 300},
+              # a split materialize: chunk 0 relayed, chunk 1 alone from the cached prefix (64)
+              {"op": "materialize", "state_id": "m2", "chunk": 0, "chunks": 2, "relayed": True, "span": [64, 512],
+               "new_tokens": 448, "prefix_tokens": 64},
+              {"op": "materialize", "state_id": "m2", "chunk": 1, "chunks": 2, "relayed": False, "span": [512, 960],
+               "new_tokens": 896, "prefix_tokens": 64},
+              {"op": "materialize", "state_id": "m1", "new_tokens": 300, "prefix_tokens": 0}]  # m1 ran again
+    out = ledger(events)
+    assert out["by_op"] == {"materialize": 300 + 448 + 896 + 300, "resume": 40}
+    assert (out["again"], out["again_tasks"]) == ({"materialize": 300}, 1)
+    assert (out["alone_chunks"], out["alone_excess"]) == (1, 512 - 64)  # chunk 0's tokens, computed twice
+    assert out["chunk_tokens"] == 448 + 896  # outside the step loop
+    assert out["states"] == 3
+    assert ledger([]) == {"by_op": {}, "again": {}, "again_tasks": 0, "alone_excess": 0, "alone_chunks": 0,
+                          "chunk_tokens": 0, "states": 0}
+
+
 def test_process_load_delta_counts_a_restarted_worker_from_its_new_start():
     from daskflow_kv.bench.process_load import delta
 
     before = {"client": 1.0, "scheduler": 2.0, "scheduler_transitions": 100,
-              "workers": {"a": {"cpu_s": 5.0, "busy_s": 3.0, "transitions": 40},
-                          "b": {"cpu_s": 9.0, "busy_s": 8.0, "transitions": 70}}}
+              "workers": {"a": {"cpu_s": 5.0, "busy_s": 3.0, "transitions": 40,
+                                "prompt": {"fed": {"resume": 10}, "dropped": {}, "reported": {"resume": 10}}},
+                          "b": {"cpu_s": 9.0, "busy_s": 8.0, "transitions": 70,
+                                "prompt": {"fed": {"resume": 90}, "dropped": {}, "reported": {"resume": 90}}}}}
     after = {"client": 4.5, "scheduler": 2.5, "scheduler_transitions": 160,
-             "workers": {"a": {"cpu_s": 7.0, "busy_s": 4.0, "transitions": 65},
-                         "b": {"cpu_s": 1.5, "busy_s": 0.5, "transitions": 12}}}  # b restarted
+             "workers": {"a": {"cpu_s": 7.0, "busy_s": 4.0, "transitions": 65,
+                               "prompt": {"fed": {"resume": 30, "recompute": 7}, "dropped": {"resume": 5},
+                                          "reported": {"resume": 25, "recompute": 7}}},
+                         "b": {"cpu_s": 1.5, "busy_s": 0.5, "transitions": 12,  # b restarted
+                               "prompt": {"fed": {"resume": 4}, "dropped": {}, "reported": {"resume": 4}}}}}
     d = delta(before, after)
     assert d["cpu_s"] == {"client": 3.5, "scheduler": 0.5, "workers": {"a": 2.0, "b": 1.5}}
     assert d["step_busy_s"] == {"a": 1.0, "b": 0.5}
     assert d["transitions"] == {"scheduler": 60, "workers": {"a": 25, "b": 12}}
+    assert d["prompt_by_op"] == {"a": {"fed": {"resume": 20, "recompute": 7}, "dropped": {"resume": 5},
+                                       "reported": {"resume": 15, "recompute": 7}},
+                                 "b": {"fed": {"resume": 4}, "dropped": {}, "reported": {"resume": 4}}}
     same = delta(before | {"scheduler": None}, after | {"scheduler": None})  # scheduler in the client's process
     assert same["cpu_s"]["scheduler"] is None and same["cpu_s"]["client"] == 3.5
 

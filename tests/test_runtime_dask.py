@@ -354,10 +354,18 @@ def test_the_calibration_warms_each_worker_up_without_fitting_it(client, rt, wor
 
     t0 = time.time()  # the scheduler's clock: the same host
     assert client.submit(tasks.warm_up, rt.spec, tuple(range(3, 67)), workers=[workers[0]], pure=False).result() == 64
-    steps = {w: x["steps"] for w, x in client.run(worker_load).items()}
+    before = client.run(worker_load)
     rt.calibrate(probe_bytes=1 << 20, probe_tokens=256, probe_repeats=2)
     sizes = calibration_lengths(256)  # each one step of the step loop (under its 512-token chunk)
-    assert {w: x["steps"] - steps[w] for w, x in client.run(worker_load).items()} == {w: 2 * len(sizes) + 1 for w in workers}
+    after = client.run(worker_load)
+    assert {w: x["steps"] - before[w]["steps"] for w, x in after.items()} == {w: 2 * len(sizes) + 1 for w in workers}
+    # what the step loops fed, by op, is what the probes' events reported; the warm-ups fed
+    # and reported nothing (``bench.process_load``: the counts a stream's rows reconcile)
+    for w in workers:
+        fed = {op: n - before[w]["prompt"]["fed"].get(op, 0) for op, n in after[w]["prompt"]["fed"].items()}
+        told = {op: n - before[w]["prompt"]["reported"].get(op, 0) for op, n in after[w]["prompt"]["reported"].items()}
+        assert fed.get("calibrate") == told.get("calibrate") > 0
+        assert fed.get("warm-up", 0) > 0 and told.get("warm-up", 0) == 0
     probes = 2 * 2 * len(sizes)  # every length twice on both workers
     since = lambda: [e.get("op") for ts, e in client.get_events(PREFILL_TOPIC) if ts >= t0]  # noqa: E731
     assert wait_until(lambda: since().count("calibrate") >= probes)

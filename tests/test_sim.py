@@ -222,6 +222,44 @@ def test_a_document_still_being_prefilled_is_waited_for_not_prefilled_again():
     assert not sim.pending  # every block in flight was made
 
 
+def test_an_evicted_block_read_again_reruns_its_whole_producer_as_dask_does():
+    """Under a budget an evicted block stays in Dask's lineage: the plugin's lookup still
+    finds it, and reading it makes Dask run the materialize that made it again, all of it, on
+    its worker (measured: an ungated exp 7 row's prefill events, ``bench.prefill_ledger``).
+    The what-if without it (``lineage=False``) prefills only what is missing, planned."""
+    from daskflow_kv.policy.cost_model import LinkProfile, PrefillProfile
+    from daskflow_kv.sim.profile import SimProfile
+
+    cpu = SimProfile("cpu-like", (PrefillProfile(0.0, 0.005, 0.0),), LinkProfile(1e9), 46080)
+    wfs = exp7_stream(6, 60.0, 2, "uniform")  # documents 0, 1, 0, 1, ...: one at a time, 300 s apart
+    wfs = [type(w)(w.index, 300.0 * i, w.client, w.doc, w.calls) for i, w in enumerate(wfs)]
+    doc = wfs[0].calls[0].segments[0][1]
+    out = {}
+    for lineage in (True, False):
+        sim = systems.DaskflowSystem(cpu, 1, budget=int(1.5 * doc * cpu.bytes_per_token), lineage=lineage)
+        sim.run(wfs)
+        assert all(not f.failed and not math.isnan(f.done_at) for f in sim.flows) and not sim.pending
+        out[lineage] = sim
+    rerun, planned = out[True], out[False]
+    assert rerun.reruns >= 2 and planned.reruns == 0 and planned.lineage is None
+    # each rerun prefills a document's whole group prefix again, where the what-if adds only
+    # the blocks evicted from it
+    assert rerun.prefilled - planned.prefilled >= doc
+    assert report.run_system("daskflow-kv", cpu, wfs, 1, int(1.5 * doc * cpu.bytes_per_token))["reruns"] == rerun.reruns
+
+
+def test_the_grid_models_lineage_reruns_unless_asked_for_the_what_if(prof):
+    """``simulate --no-lineage-reruns``: daskflow-kv's rows say which rule they ran; `local` has none."""
+    for lineage in (True, False):
+        rows = report.simulate_grid(prof, [2], ("daskflow-kv", "local"), ["zipf-budget"], per_worker=16,
+                                    min_workflows=32, lineage=lineage)
+        dkv, local = (next(r for r in rows if r["system"] == s) for s in ("daskflow-kv", "local"))
+        assert dkv["lineage_reruns_modeled"] is lineage and "lineage_reruns_modeled" not in local
+        if not lineage:
+            assert dkv["reruns"] == 0
+        assert dkv["completed"] == local["completed"] == 32
+
+
 def test_a_prefix_shared_up_to_a_segment_boundary_inside_a_block_is_reused_to_there():
     """Two prompts sharing a 1053-token document, then text of their own: the runtime's lookup
     (``PrefixIndex.match``, the plugin's catalog) matches whole blocks, then the next cached

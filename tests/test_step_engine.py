@@ -158,8 +158,8 @@ def test_a_cancelled_request_leaves_at_the_next_step(engine_factory):
     engine = engine_factory("tiny-llama", "float32")
     eng = StepEngine(engine.runner, step_tokens=64)
     ctx, blocks = _prefix(engine, CONTEXT)
-    long = StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[0]), 400)
-    short = StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[1]), 6, return_logits=True)
+    long = StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[0]), 400, op="resume")
+    short = StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[1]), 6, return_logits=True, op="resume")
     [f_long, f_short] = eng.submit([long, short])
     while eng.stats.steps < 3:
         time.sleep(0.005)
@@ -171,6 +171,9 @@ def test_a_cancelled_request_leaves_at_the_next_step(engine_factory):
     while eng.stats.running and time.time() < deadline:
         time.sleep(0.01)
     assert eng.stats.running == 0
+    # both prompts were fed; the cancelled one's are the work no caller got
+    assert eng.prompt_fed == {"resume": len(long.new_tokens) + len(short.new_tokens)}
+    assert eng.prompt_dropped == {"resume": len(long.new_tokens)}
     eng.stop()
 
 
@@ -234,12 +237,14 @@ def test_the_loop_records_what_each_step_fed_joined_and_cut(engine_factory):
     eng = StepEngine(engine.runner, step_tokens=16)
     ctx, blocks = _prefix(engine, CONTEXT)
     suf, whole = engine.encode(SUFFIXES[0]), engine.encode(CONTEXTS[1])
-    outs = [f.result(60) for f in eng.submit([StepRequest(blocks, len(ctx), suf, 5), StepRequest([], 0, whole, 3)])]
+    outs = [f.result(60) for f in eng.submit([StepRequest(blocks, len(ctx), suf, 5, op="resume"),
+                                              StepRequest([], 0, whole, 3, op="materialize")])]
     eng.stop()
     shapes = list(eng.recent)
     assert len(shapes) == eng.stats.steps
     assert sum(s.seconds for s in shapes) == pytest.approx(eng.stats.busy_s)
     assert sum(s.prompt_tokens for s in shapes) == len(suf) + len(whole)
+    assert (eng.prompt_fed, eng.prompt_dropped) == ({"resume": len(suf), "materialize": len(whole)}, {})
     assert max(s.prompt_tokens + s.decode_rows for s in shapes) <= 16 + 16 // 8  # a last chunk's slack
     assert sum(s.decode_rows for s in shapes) == (5 - 1) + (3 - 1)
     assert (sum(s.joined for s in shapes), sum(s.loaded_tokens for s in shapes)) == (2, len(ctx))

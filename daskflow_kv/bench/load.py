@@ -29,6 +29,7 @@ import time
 
 from ..flow.compiler import compile_workflow
 from ..flow.executor import run_state_mode, run_text_mode
+from ..keys import PREFILL_TOPIC
 from ..stats import percentile
 from . import local_engine as le
 from . import process_load
@@ -37,6 +38,7 @@ from .common import Progress, log
 from .exp7_why import rebuild_reasons
 from .load_stream import build, doc_sequence, documents, gate_label, schedule
 from .multiround import run_local_mode
+from .prefill_ledger import ledger
 
 SYSTEMS = ("local", "dkv")  # text replay runs once per stream kind, as the reference
 STREAMS = ("uniform", "zipf", "zipf-budget")
@@ -97,17 +99,21 @@ def evidence(records: list[dict]) -> dict:
     document already prefilled earlier in the stream (in arrival order of completion)."""
     by_op: dict[str, int] = {}
     by_worker: dict[str, int] = {}
+    by_worker_op: dict[str, dict[str, int]] = {}  # beside each worker's ``prompt_by_op`` (process_load)
     seen: set[int] = set()
     repeat = 0
     for r in sorted((r for r in records if "error" not in r), key=lambda r: r["done"]):
         for p in r.get("prefills", ()):
             by_op[p["op"]] = by_op.get(p["op"], 0) + p["tokens"]
             by_worker[str(p["worker"])] = by_worker.get(str(p["worker"]), 0) + p["tokens"]
+            ops = by_worker_op.setdefault(str(p["worker"]), {})
+            ops[p["op"]] = ops.get(p["op"], 0) + p["tokens"]
             if p["op"] in ("materialize", "recompute") and p["level"] == 0:
                 if r["doc"] in seen:
                     repeat += p["tokens"]
         seen.add(r["doc"])
-    return {"prefill_by_op": by_op, "prefill_by_worker": by_worker, "repeat_prefill_tokens": repeat}
+    return {"prefill_by_op": by_op, "prefill_by_worker": by_worker, "prefill_by_worker_op": by_worker_op,
+            "repeat_prefill_tokens": repeat}
 
 
 def point(kind: str, rate: float, gate: float | None = None) -> str:
@@ -149,6 +155,33 @@ def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref
         "decisions": decisions, "plan_error_median_s": statistics.median(plan) if plan else None,
         **{c: counters.get(c) for c in COUNTERS}, **evidence(records),
     }
+
+
+def _count_computed(row: dict, text_tokens: int | None) -> None:
+    """A daskflow-kv row's ``tokens_prefilled`` as its workers computed them, the definition
+    every system's figure shares (``local`` counts what its workers feed: checked equal in
+    the step loops' counts); what the workflows counted - the prefills they planned - stays
+    as ``tokens_counted``. The two part by what Dask ran again from lineage (a block evicted,
+    then read, reruns its whole producer task), the tokens lone parallel chunks computed
+    twice, and requests cancelled mid-way (``prefill_ledger``, ``prompt_by_op``)."""
+    if row.get("tokens_computed") is None:
+        return
+    dropped = sum(n for w in (row.get("prompt_by_op") or {}).values() for n in w.get("dropped", {}).values())
+    row["tokens_counted"] = row["tokens_prefilled"]
+    row["tokens_prefilled"] = row["tokens_computed"] + dropped
+    if row.get("hit_rate") is not None and text_tokens:
+        row["hit_rate"] = 1 - row["tokens_prefilled"] / text_tokens
+
+
+def _ledger(client, since: float) -> dict:
+    """``prefill_ledger.ledger`` of the prefill events since ``since``; ``complete``: False
+    when the scheduler's event log (a bounded deque) may have dropped some of them."""
+    import dask.config
+
+    events = S.prefill_events(client, since)
+    kept = client.get_events(PREFILL_TOPIC)
+    full = len(kept) >= dask.config.get("distributed.admin.low-level-log-length")
+    return ledger(events) | {"complete": not (full and kept[0][1].get("done_at", 0.0) >= since)}
 
 
 def _counters(rt) -> dict:
@@ -250,6 +283,9 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         row["router_profiles"] = b.router.priced_by()
     if system == "dkv":
         row["rebuild_reasons"] = rebuild_reasons(d for x in benches for d in list(x.rt.decisions))
+        # what the workers reported computing, beside what the workflows counted
+        row["prefill_ledger"] = _ledger(b.client, t0)
+        _count_computed(row, text_tokens)
     if row["agree"] is False:
         log(f"  !! {system} outputs differ from text replay in exp7 {kind} at {rate:g}/min rep {rep}")
     if row["errors"]:

@@ -8,6 +8,10 @@ models by however much CPU the rest took. Exp 7 records, per row, the delta of:
   threads), the scheduler (None when it runs in the bench process, as a ``LocalCluster``'s
   does: counted in the client's), and each worker;
 * ``step_busy_s``: seconds each worker's step loops spent inside forward steps;
+* ``prompt_by_op``: each worker's prompt tokens by the operator of their request: ``fed`` by
+  its step loops, ``dropped`` (fed for requests that left without a result: their task was
+  cancelled or failed) and ``reported`` (in the prefill events its finished tasks sent the
+  scheduler): set beside what the workflows counted, it says where prompt work went uncounted;
 * ``transitions``: task state transitions the scheduler and each worker made (their Dask
   state machines' counters): the event-loop work the row's tasks cost, beside the steps;
 * ``step_shapes`` (only with ``DASKFLOW_KV_BENCH_STEP_SHAPES=1``: a row's steps weigh ~100 KB):
@@ -32,12 +36,14 @@ def _cpu_seconds() -> float:
 
 def worker_load(dask_worker=None) -> dict:
     """This worker process's CPU seconds and its step loops' busy seconds, since start."""
-    from ..runtime.step_worker import engine_stats
+    from ..runtime.step_worker import engine_stats, prompt_tokens_by_op
+    from ..runtime.tasks import reported_by_op
 
     stats = engine_stats().values()
     return {"cpu_s": _cpu_seconds(), "busy_s": sum(st["busy_s"] for st in stats),
             "steps": sum(st["steps"] for st in stats),
-            "transitions": dask_worker.state.transition_counter if dask_worker is not None else 0}
+            "transitions": dask_worker.state.transition_counter if dask_worker is not None else 0,
+            "prompt": prompt_tokens_by_op() | {"reported": reported_by_op()}}
 
 
 def worker_steps(n: int, dask_worker=None) -> list[list]:
@@ -78,9 +84,20 @@ def delta(before: dict, after: dict) -> dict:
         now, then = workers[addr].get(k, 0), was.get(addr, {}).get(k, 0)
         return round(now - then if now >= then else now, 3)
 
+    def by_op(addr: str) -> dict:
+        now, then = workers[addr].get("prompt", {}), was.get(addr, {}).get("prompt", {})
+        out = {}
+        for kind, counts in now.items():
+            old = then.get(kind, {})
+            # a worker that restarted in between counts from its new start (as ``d``)
+            diff = {op: n - old.get(op, 0) if n >= old.get(op, 0) else n for op, n in counts.items()}
+            out[kind] = {op: n for op, n in diff.items() if n}
+        return out
+
     sched = None if after["scheduler"] is None else round(after["scheduler"] - before["scheduler"], 3)
     return {"cpu_s": {"client": round(after["client"] - before["client"], 3), "scheduler": sched,
                       "workers": {a: d(a, "cpu_s") for a in workers}},
             "step_busy_s": {a: d(a, "busy_s") for a in workers},
+            "prompt_by_op": {a: by_op(a) for a in workers},
             "transitions": {"scheduler": after.get("scheduler_transitions", 0) - before.get("scheduler_transitions", 0),
                             "workers": {a: int(d(a, "transitions")) for a in workers}}}

@@ -27,7 +27,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 
@@ -60,6 +60,7 @@ class StepRequest:
     stream: int = 0  # seeds sampling: a request draws what a single run with this stream draws
     return_logits: bool = False
     export: bool = True  # cut its new blocks at the end
+    op: str = ""  # the operator it serves (materialize, resume, recompute, ...): what its tokens are counted as
 
 
 @dataclass(slots=True)
@@ -139,6 +140,11 @@ class StepEngine:
         self._thread: threading.Thread | None = None
         self._cache: StepCache | None = None
         self.recent: deque[StepShape] = deque(maxlen=RECENT_STEPS)  # the last steps' shapes and times
+        # Prompt tokens fed, by the operator of their request, since start; and of those, the
+        # tokens of requests that left without a result (cancelled or failed): work no caller
+        # got, which a count of finished tasks never sees.
+        self.prompt_fed: Counter[str] = Counter()
+        self.prompt_dropped: Counter[str] = Counter()
 
     # -- the caller's side ----------------------------------------------------------------------
     def submit(self, requests: list[StepRequest], shared_prefix: bool = False) -> list[Future]:
@@ -346,6 +352,7 @@ class StepEngine:
         prompt = x.fed < len(x.req.new_tokens)
         if prompt:
             x.fed += n
+            self.prompt_fed[x.req.op] += n
         if x.fed < len(x.req.new_tokens) or x.req.max_new_tokens == 0:
             return
         r = x.req
@@ -367,6 +374,7 @@ class StepEngine:
             if x.future.done():
                 return
             if error is not None:
+                self.prompt_dropped[x.req.op] += x.fed
                 x.future.set_exception(error)
                 return
             try:

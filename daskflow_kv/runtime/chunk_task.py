@@ -89,6 +89,7 @@ def prefill_chunk(spec: ModelSpec, req: ChunkRequest, *prefix_blocks) -> Prefill
         "state_id": req.state_id,
         "chunk": req.index,
         "chunks": len(req.spans),
+        "span": [start, end],  # positions its blocks cover (alone, it computed from ``reused``)
         "relayed": relayed,
         "alone_because": None if relayed else why,
         # what this task computed, and the compute time of it (the profile's sample)

@@ -67,6 +67,20 @@ def recent_steps() -> list:
     return [s for e in engines for s in list(e.recent)]
 
 
+def prompt_tokens_by_op() -> dict[str, dict[str, int]]:
+    """Prompt tokens this process's step loops fed since start, by the operator of their
+    request: ``{"fed": {op: n}, "dropped": {op: n}}`` (dropped: fed for a request that left
+    without a result, cancelled or failed)."""
+    with _LOCK:
+        engines = list(_ENGINES.values())
+    out: dict[str, dict[str, int]] = {"fed": {}, "dropped": {}}
+    for e in engines:
+        for kind, counts in (("fed", e.prompt_fed), ("dropped", e.prompt_dropped)):
+            for op, n in dict(counts).items():  # a dict copy: the loop thread may add an op meanwhile
+                out[kind][op] = out[kind].get(op, 0) + n
+    return out
+
+
 def run(runner: ModelRunner, requests: list[StepRequest], shared_prefix: bool = False) -> list[RunOutput]:
     """Run ``requests`` in the step loop and wait for them, outside the worker's thread pool."""
     eng = engine_for(runner)

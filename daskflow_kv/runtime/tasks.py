@@ -19,6 +19,7 @@ import functools
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,15 @@ from . import step_worker, torch_threads
 register_torch_serialization()  # workers unpickle this module before any block arrives
 
 _LOAD_LOCK = threading.Lock()
+_REPORTED: Counter[str] = Counter()  # prompt tokens this process's prefill events reported, by op
+_REPORTED_LOCK = threading.Lock()  # not the load lock: a model load holds that for seconds
+
+
+def reported_by_op() -> dict[str, int]:
+    """Prompt tokens this worker's prefill tasks reported to the scheduler since start, by op
+    (to set beside what its step loops fed: ``step_worker.prompt_tokens_by_op``)."""
+    with _REPORTED_LOCK:
+        return dict(_REPORTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +179,8 @@ def worker_address() -> str:
 def report_prefill(event: dict) -> None:
     """A prefill's timing, for the scheduler plugin's fitted profiles (the prefill topic), with
     the namespace tag of the task that ran it (whose counters it adds to; no key, no tokens)."""
+    with _REPORTED_LOCK:
+        _REPORTED[event.get("op", "")] += int(event.get("new_tokens") or 0)
     try:
         from distributed import get_worker
 
@@ -275,7 +287,7 @@ def prefill_batch(spec: ModelSpec, breq: BatchPrefillRequest, *prefix_blocks: to
 
 def _step_request(req: PrefillRequest, prefix_blocks: list, reused: int) -> StepRequest:
     return StepRequest(prefix_blocks, reused, list(req.tokens[reused:]), req.max_new_tokens, req.sampling or GREEDY,
-                       req.stream, req.return_logits)
+                       req.stream, req.return_logits, op=req.op)
 
 
 def _batch_stats(outs) -> dict:
@@ -311,7 +323,8 @@ def text_generate(
     spec: ModelSpec, tokens: list[int], max_new_tokens: int, sampling: SamplingParams, stream: int, return_logits: bool
 ) -> GenerationResult:
     """Text mode on a worker: the whole prompt prefilled from nothing, nothing kept."""
-    req = StepRequest([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False)
+    req = StepRequest([], 0, list(tokens), max_new_tokens, sampling or GREEDY, stream, return_logits, export=False,
+                      op="text")
     [out] = step_worker.run(get_runner(spec), [req])
     return GenerationResult(out.generated, out.metrics.as_dict(), worker_address(), out.logits)
 

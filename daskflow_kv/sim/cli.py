@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workflow-gate", type=float, metavar="N",
                    help="the workflow gate (daskflow-kv.scheduler.workflow-gate): at most N running workflows per "
                         "worker, the rest wait in line, for every system (default: none)")
+    p.add_argument("--no-lineage-reruns", action="store_true",
+                   help="what-if: daskflow-kv rebuilds an evicted block by a planned prefill of the missing tokens, "
+                        "instead of Dask running the block's whole producer again when a lookup finds it in "
+                        "lineage (what the runtime does; the default models it)")
     p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
     p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
     p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
@@ -85,8 +89,9 @@ def main(argv=None) -> int:
         parser.error(f"--workflow-gate {args.workflow_gate}: give running workflows per worker, more than 0")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.trace:
-        rows = [run_system(s, profile, wfs, n, args.budget) | {"stream": f"trace:{Path(args.trace).name}"}
-                for n in args.workers for s in args.systems]
+        lineage = {"lineage": not args.no_lineage_reruns}
+        rows = [run_system(s, profile, wfs, n, args.budget, **(lineage if s == "daskflow-kv" else {}))
+                | {"stream": f"trace:{Path(args.trace).name}"} for n in args.workers for s in args.systems]
         for r in rows:
             say(f"{r['workers']:>4} workers {r['system']:<12} {r['completed_per_min']:.1f}/min MODELED, "
                 f"p95 {r['latency_p95_s']:.1f} s MODELED")
@@ -95,6 +100,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     grid = simulate_grid(profile, args.workers, args.systems, args.streams, per_worker=args.per_worker,
                          rate_per_worker=args.rate_per_worker, gate=args.workflow_gate,
+                         lineage=not args.no_lineage_reruns,
                          progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} {r['system']:<12} "
                                                 f"{r['completed_per_min']:8.1f}/min p95 {r['latency_p95_s']:7.1f} s "
                                                 f"MODELED ({r['sim_wall_s']:.1f} s)"))

@@ -69,6 +69,7 @@ def run_system(system: str, profile, workflows, workers: int, budget: int | None
         "bytes_transferred": sim.bytes_transferred, "evictions": sim.evictions + sum(
             c.evicted for c in getattr(sim, "caches", ())), "peak_kv_bytes_max": max(peaks) if peaks else 0,
         "decisions": dict(getattr(sim, "decisions", {})), "events": sim.loop.events,
+        "reruns": getattr(sim, "reruns", 0),  # producers Dask ran again for a block read from lineage
         "step_busy_s": sum(w.busy_time for w in sim.workers),
         "step_busy_by_worker": [w.busy_time for w in sim.workers] if workers <= 8 else None,
         "sim_wall_s": time.perf_counter() - t0,
@@ -173,10 +174,12 @@ def fidelity(path: str | Path, profile, systems=("daskflow-kv", "local", "text")
                "slowdown": case.slowdown, "steps_priced_held_out": case.held_out,
                # the row's measured step seconds over the modeled price of the same steps
                "step_speed": speed,
-               # prompt tokens its workers fed in steps over those its finished tasks reported
-               # (``tokens_prefilled``): above 1, work no finished task counted (requests
-               # cancelled mid-way, or prefills no workflow reported), which the model never does
-               "fed_over_counted": fed_over_counted(steps[0], r.get("tokens_prefilled")) if steps else None,
+               # prompt tokens its workers fed in steps over those its workflows counted
+               # (``tokens_counted``; ``tokens_prefilled`` in rows before 2026-12-06): above 1,
+               # work no workflow counted (Dask's reruns from lineage, requests cancelled
+               # mid-way), which the model never does
+               "fed_over_counted": fed_over_counted(steps[0], r.get("tokens_counted", r.get("tokens_prefilled")))
+               if steps else None,
                # how evenly the work fell: each worker's step seconds, busiest first
                "busy_by_worker": {"measured": sorted((r.get("step_busy_s") or {}).values(), reverse=True),
                                   "simulated": sorted(sim["step_busy_by_worker"] or (), reverse=True)}}
@@ -235,12 +238,14 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
 def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv", "local", "text"),
                   streams=STREAMS, per_worker: int = 20, docs_per_worker: int = 2, rate_per_worker: float = 18.0,
                   context: int = 1024, max_new: int = 16, min_workflows: int = 64, max_workflows: int = 10_240,
-                  progress=None, gate: float | None = None) -> list[dict]:
+                  progress=None, gate: float | None = None, lineage: bool = True) -> list[dict]:
     """Throughput and p95 per (workers, stream, system). Load scales with the cluster: exp 7's
     saturating 36/min on 2 workers (18/min per worker), ``per_worker`` workflows and
     ``docs_per_worker`` documents per worker; the budget is exp 7's rule at 2 workers (a
     fixed number of bytes per worker, so a worker holds about one document as N grows).
-    ``gate``: running workflows per worker at most, for every system (``policy.workflow_gate``)."""
+    ``gate``: running workflows per worker at most, for every system (``policy.workflow_gate``).
+    ``lineage``: False models daskflow-kv rebuilding an evicted block by a planned prefill of
+    what is missing, not Dask running its producer again (a what-if: the runtime reruns)."""
     rows = []
     for n_workers in workers:
         n = min(max_workflows, max(min_workflows, per_worker * n_workers))
@@ -251,8 +256,11 @@ def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv",
             if kind.endswith("-budget"):
                 budget = exp7_budget(2 * docs_per_worker, context, profile.bytes_per_token, wfs)
             for system in systems:
-                row = run_system(system, profile, wfs, n_workers, budget, gate=gate)
+                kw = {"lineage": lineage} if system == "daskflow-kv" else {}
+                row = run_system(system, profile, wfs, n_workers, budget, gate=gate, **kw)
                 row.update(stream=kind, docs=docs, rate_per_min=rate_per_worker * n_workers, gate_per_worker=gate)
+                if kw:
+                    row["lineage_reruns_modeled"] = lineage
                 rows.append(row)
                 if progress:
                     progress(row)
@@ -298,9 +306,10 @@ def markdown(result: dict) -> str:
                   + " \"Steps vs model\": the row's measured step seconds over the model's price of the same "
                     "recorded steps (rows that recorded them, with step costs): above 1 the host ran slower "
                     "during the row than the model prices, whatever work the row did. \"Fed / counted\": the "
-                    "prompt tokens the row's steps fed over those its finished tasks counted (`tokens_prefilled`): "
-                    "above 1, work no finished task counted (requests cancelled mid-way, or prefills no "
-                    "workflow reported), which the model does not do.", "",
+                    "prompt tokens the row's steps fed over those its workflows counted (`tokens_counted`, or "
+                    "`tokens_prefilled` in rows before 2026-12-06): above 1, work no workflow counted (Dask "
+                    "running a prefill again from lineage, requests cancelled mid-way), which the model does "
+                    "not do; a parallel materialize's chunks run outside the step loop and are not fed.", "",
                   "| system | stream | rep | other cores | slowdown | steps vs model | fed / counted | metric | measured "
                   "| MODELED | error |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

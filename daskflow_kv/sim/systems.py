@@ -296,6 +296,18 @@ class LocalSystem(System):
         self.loop.after(self.profile.task_overhead_s, begin)
 
 
+class _Producer:
+    """The materialize that first made some blocks: what Dask runs again to get one back."""
+
+    __slots__ = ("worker", "blocks", "reads", "shape")
+
+    def __init__(self, worker: int, blocks: tuple, reads: tuple, shape: tuple):
+        self.worker = worker  # where it ran (its task's worker restriction)
+        self.blocks = blocks  # (key, start, end) of every block it made
+        self.reads = reads  # the cached blocks it read
+        self.shape = shape  # (tokens prefilled, prefix position, 0)
+
+
 class _Ready:
     """Something that will be true at some virtual time (a prefix on a worker): callbacks."""
 
@@ -354,9 +366,15 @@ class DaskflowSystem(System):
 
     name = "daskflow-kv"
 
-    def __init__(self, *a, policy: str = "auto", count_planned: bool = True, **kw):
+    def __init__(self, *a, policy: str = "auto", count_planned: bool = True, lineage: bool = True, **kw):
         super().__init__(*a, **kw)
         self.policy = policy  # plan_placements' policy for branches: auto | transfer | recompute | pin
+        # An evicted block stays in Dask's lineage: a lookup still finds it, and reading it makes
+        # Dask run its producer - the whole materialize that made it - again on that worker,
+        # unplanned (measured: the prefill events of an ungated row, ``bench.prefill_ledger``).
+        # False: an evicted block is gone, the rule before 2026-12-06.
+        self.lineage = {} if lineage else None  # block key -> _Producer of its first run
+        self.reruns = 0  # producers run again
         # The runtime's busy_s (plugins/kv_queue) counts a task from its plan on, also while it
         # waits for its inputs; False counts it only once sent, the rule before 2026-12-01.
         self.count_planned = count_planned
@@ -395,7 +413,9 @@ class DaskflowSystem(System):
     def _busy_all(self):
         return self.board.busy(self.loop.now, np.asarray(self.planned) if self.count_planned else 0.0)
 
-    def _match(self, blocks) -> PrefixMatch:
+    def _match(self, blocks, f=None) -> PrefixMatch:
+        """What the plugin's lookup answers for ``blocks``; with ``f`` (the workflow acquiring
+        them), a block found only in lineage is acquired: its producer runs again."""
         out, n = [], 0
         prune, chosen = len(self.workers) > self.full_pool, []
         for k, s, e in blocks:
@@ -414,10 +434,27 @@ class DaskflowSystem(System):
                 out.append(CachedBlock(k, s, e, (e - s) * self.bpt, names, names))
             elif k in self.pending:  # being made: no holder yet, ``where`` its planned worker
                 out.append(CachedBlock(k, s, e, (e - s) * self.bpt, (), (self.workers[self.pending[k][0]].name,)))
+            elif f is not None and self.lineage and k in self.lineage:
+                w = self._rerun(f, self.lineage[k])
+                out.append(CachedBlock(k, s, e, (e - s) * self.bpt, (), (self.workers[w].name,)))
             else:
                 break
             n = e
         return PrefixMatch(n, tuple(out))
+
+    def _rerun(self, f, p: _Producer) -> int:
+        """Dask runs producer ``p`` again on its worker (its task's restriction), making the blocks
+        of it no worker holds; -> that worker. Its reads are taken as there (Dask would rerun
+        theirs too: a cascade not modeled)."""
+        w = self.workers[p.worker]
+        gone = tuple(b for b in p.blocks if not self.dir.holders(b[0]) and b[0] not in self.pending)
+        ready = _Ready()
+        for k, _, _ in gone:
+            self.pending[k] = (w.idx, ready)
+        self.reruns += 1
+        to_prefill, position, _ = p.shape
+        self._task(f, w, gone, p.reads, p.shape, w.prof.seconds(to_prefill, position), ready.fire)
+        return w.idx
 
     def _in_flight(self, blocks, upto: int) -> _Ready | None:
         """Fires once every block below ``upto`` that is still being made exists; None: none is."""
@@ -436,7 +473,7 @@ class DaskflowSystem(System):
 
     def _group(self, f, plen, members) -> None:
         blocks = chain(members[0].segments, plen)
-        match = self._match(blocks)
+        match = self._match(blocks, f)
         pool = self._pool(match)
         view = self._view(pool)
         cached = match.tokens
@@ -447,8 +484,12 @@ class DaskflowSystem(System):
         made = self._deliver(f, t, blocks, match, cached, p.decision)  # the cached part, onto t
         mat = _Ready(plen <= cached and made.done)
         if plen > cached:
-            for k, _, _ in blocks[len(match.blocks):]:
+            new = blocks[len(match.blocks):]
+            made_by = _Producer(t.idx, tuple(new), tuple(blocks[:len(match.blocks)]), (plen - cached, cached, 0))
+            for k, _, _ in new:
                 self.pending.setdefault(k, (t.idx, mat))
+                if self.lineage is not None:
+                    self.lineage.setdefault(k, made_by)  # a key keeps its first run spec, as in Dask
             pred = t.prof.seconds(plen - cached, cached)
             self.planned[t.idx] += pred
             # ``pred`` bound now: the name is reused for the branches below, and a materialize
