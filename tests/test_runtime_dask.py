@@ -350,7 +350,7 @@ def test_the_calibration_warms_each_worker_up_without_fitting_it(client, rt, wor
     reach the profile and the event log."""
     from daskflow_kv.runtime import tasks
 
-    from daskflow_kv.bench.process_load import worker_load
+    from daskflow_kv.bench.process_load import prompt_delta, worker_load
 
     t0 = time.time()  # the scheduler's clock: the same host
     assert client.submit(tasks.warm_up, rt.spec, tuple(range(3, 67)), workers=[workers[0]], pure=False).result() == 64
@@ -359,11 +359,11 @@ def test_the_calibration_warms_each_worker_up_without_fitting_it(client, rt, wor
     sizes = calibration_lengths(256)  # each one step of the step loop (under its 512-token chunk)
     after = client.run(worker_load)
     assert {w: x["steps"] - before[w]["steps"] for w, x in after.items()} == {w: 2 * len(sizes) + 1 for w in workers}
-    # what the step loops fed, by op, is what the probes' events reported; the warm-ups fed
-    # and reported nothing (``bench.process_load``: the counts a stream's rows reconcile)
+    # what the step loops fed, by op, is what the probes' events reported; the warm-up fed
+    # but reported nothing (``bench.process_load``: the counts a stream's rows reconcile)
     for w in workers:
-        fed = {op: n - before[w]["prompt"]["fed"].get(op, 0) for op, n in after[w]["prompt"]["fed"].items()}
-        told = {op: n - before[w]["prompt"]["reported"].get(op, 0) for op, n in after[w]["prompt"]["reported"].items()}
+        moved = prompt_delta(after[w]["prompt"], before[w]["prompt"])
+        fed, told = moved["fed"], moved["reported"]
         assert fed.get("calibrate") == told.get("calibrate") > 0
         assert fed.get("warm-up", 0) > 0 and told.get("warm-up", 0) == 0
     probes = 2 * 2 * len(sizes)  # every length twice on both workers

@@ -27,6 +27,8 @@ import os
 import threading
 import time
 
+import dask.config
+
 from ..flow.compiler import compile_workflow
 from ..flow.executor import run_state_mode, run_text_mode
 from ..keys import PREFILL_TOPIC
@@ -176,8 +178,6 @@ def _count_computed(row: dict, text_tokens: int | None) -> None:
 def _ledger(client, since: float) -> dict:
     """``prefill_ledger.ledger`` of the prefill events since ``since``; ``complete``: False
     when the scheduler's event log (a bounded deque) may have dropped some of them."""
-    import dask.config
-
     events = S.prefill_events(client, since)
     kept = client.get_events(PREFILL_TOPIC)
     full = len(kept) >= dask.config.get("distributed.admin.low-level-log-length")

@@ -37,9 +37,9 @@ def ledger(events: list[dict]) -> dict:
         seen.add(task)
         if "chunk" in e:
             chunked += n
-        if "chunk" in e and e.get("relayed") is False:
-            alone += 1
-            start = (e.get("span") or (e.get("prefix_tokens", 0),))[0]
-            excess += max(0, start - int(e.get("prefix_tokens") or 0))
+            if e.get("relayed") is False:  # it computed from the cached prefix, not from its span's start
+                alone += 1
+                span = e.get("span")
+                excess += max(0, span[0] - int(e.get("prefix_tokens") or 0)) if span else 0
     return {"by_op": by_op, "again": again, "again_tasks": again_tasks, "alone_excess": excess,
             "alone_chunks": alone, "chunk_tokens": chunked, "states": len({s for s, _ in seen})}

@@ -53,6 +53,18 @@ def worker_steps(n: int, dask_worker=None) -> list[list]:
     return [[getattr(s, f) for f in STEP_FIELDS] for s in recent_steps()[-n:]] if n > 0 else []
 
 
+def prompt_delta(now: dict, then: dict) -> dict:
+    """Two of a worker's ``prompt`` counts (``{"fed" | "dropped" | "reported": {op: tokens}}``)
+    apart, ops that did not move left out; a worker that restarted in between counts from its
+    new start."""
+    out = {}
+    for kind, counts in now.items():
+        old = then.get(kind, {})
+        diff = {op: n - old.get(op, 0) if n >= old.get(op, 0) else n for op, n in counts.items()}
+        out[kind] = {op: n for op, n in diff.items() if n}
+    return out
+
+
 def step_shapes(client, before: dict, after: dict) -> dict:
     """Every step each worker ran between two snapshots: ``{"step_shape_fields", "step_shapes"}``."""
     out = {}
@@ -84,20 +96,11 @@ def delta(before: dict, after: dict) -> dict:
         now, then = workers[addr].get(k, 0), was.get(addr, {}).get(k, 0)
         return round(now - then if now >= then else now, 3)
 
-    def by_op(addr: str) -> dict:
-        now, then = workers[addr].get("prompt", {}), was.get(addr, {}).get("prompt", {})
-        out = {}
-        for kind, counts in now.items():
-            old = then.get(kind, {})
-            # a worker that restarted in between counts from its new start (as ``d``)
-            diff = {op: n - old.get(op, 0) if n >= old.get(op, 0) else n for op, n in counts.items()}
-            out[kind] = {op: n for op, n in diff.items() if n}
-        return out
-
     sched = None if after["scheduler"] is None else round(after["scheduler"] - before["scheduler"], 3)
     return {"cpu_s": {"client": round(after["client"] - before["client"], 3), "scheduler": sched,
                       "workers": {a: d(a, "cpu_s") for a in workers}},
             "step_busy_s": {a: d(a, "busy_s") for a in workers},
-            "prompt_by_op": {a: by_op(a) for a in workers},
+            "prompt_by_op": {a: prompt_delta(workers[a].get("prompt", {}), was.get(a, {}).get("prompt", {}))
+                             for a in workers},
             "transitions": {"scheduler": after.get("scheduler_transitions", 0) - before.get("scheduler_transitions", 0),
                             "workers": {a: int(d(a, "transitions")) for a in workers}}}
