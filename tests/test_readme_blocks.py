@@ -58,6 +58,8 @@ def test_headline_compares_with_the_best_baseline_and_names_missed_targets():
     missed = [t["target"] for t in doc["targets"] if t["ok"] is False]
     assert missed and all(t in text for t in missed)
     assert f"Targets met: {sum(t['ok'] is True for t in doc['targets'])} of {len(doc['targets'])}" in text
+    # the CPU it ran on: headlines made on different hosts are told apart at a glance
+    assert f"worker processes on {doc['machine']['cpu']} ({doc['machine']['cores']} cores)" in text
 
 
 def _tree(tmp_path):

@@ -248,6 +248,27 @@ def test_an_evicted_block_read_again_reruns_its_whole_producer_as_dask_does():
     assert report.run_system("daskflow-kv", cpu, wfs, 1, int(1.5 * doc * cpu.bytes_per_token))["reruns"] == rerun.reruns
 
 
+def test_a_rerun_first_gets_back_the_evicted_inputs_of_its_producer():
+    """Reading block b back from lineage makes Dask run b's producer again; that producer read
+    block a, evicted too, so Dask runs a's producer first (a cascade) and b's waits for it."""
+    from daskflow_kv.policy.cost_model import LinkProfile, PrefillProfile
+    from daskflow_kv.sim.profile import SimProfile
+
+    cpu = SimProfile("cpu-like", (PrefillProfile(0.0, 0.005, 0.0),), LinkProfile(1e9), 46080)  # 5 ms a token
+    sim = systems.DaskflowSystem(cpu, 1)
+    a, b = ("a", 0, 64), ("b", 64, 128)
+    sim.lineage.update(a=systems._Producer(0, (a,), (), (64, 0, 0)), b=systems._Producer(0, (b,), (a,), (64, 64, 0)))
+    flow = systems._Flow(exp7_stream(1, 60.0, 1, "uniform")[0])
+    match = sim._match([b], flow)  # a lookup that found only b (in lineage)
+    assert match.tokens == 128 and sim.reruns == 2 and set(sim.pending) == {"a", "b"}
+    done = {}
+    for k in "ab":
+        sim.pending[k][1].then(lambda k=k: done.setdefault(k, sim.loop.now))
+    sim.loop.run()
+    assert sim.dir.holders("a") and sim.dir.holders("b") and not sim.pending
+    assert done["b"] - done["a"] >= 0.9 * 64 * 0.005  # b's producer started once a was back
+
+
 def test_the_grid_models_lineage_reruns_unless_asked_for_the_what_if(prof):
     """``simulate --no-lineage-reruns``: daskflow-kv's rows say which rule they ran; `local` has none."""
     for lineage in (True, False):

@@ -169,6 +169,13 @@ def readme_table(doc: dict, summary: list[dict], summary_link: str = "benchmarks
     return "\n".join(lines) + "\n"
 
 
+def _host(machine: dict) -> str:
+    """The host a run measured on: its CPU model and cores. Ratios are read within one run,
+    and a headline re-made on another CPU moves with it (decode steps above all)."""
+    cpu = machine.get("cpu")
+    return f"{cpu} ({machine['cores']} cores)" if cpu else f"{machine['cores']} cores"
+
+
 def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/results/bench_full.json") -> str:
     """The top-level README's headline: mean TTFT cold and warm at the shortest and longest
     context and the stream's throughput, each against the best baseline at that point; then
@@ -196,7 +203,7 @@ def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/
         add(f"completed workflows/min {label} (stream)", "exp7", point, "stream", "completed_per_min", "{:.1f}",
             higher_better=True)
     lines = [f"From `{doc['command']}` ({m.get('time_utc', '')[:10]}): {model.get('model_id', cfg['model'])} "
-             f"{model.get('dtype', '')}, {cfg['workers']} Dask worker processes on {m['cores']} cores, medians of "
+             f"{model.get('dtype', '')}, {cfg['workers']} Dask worker processes on {_host(m)}, medians of "
              f"{cfg['reps']}; every figure is in [{json_link}]({json_link}). TTFT runs from the workflow's start "
              "(shared prefill included); cold: caches empty, warm: the shared context cached by an earlier "
              "workflow. The best baseline is the best of the baselines at each point"

@@ -444,16 +444,33 @@ class DaskflowSystem(System):
 
     def _rerun(self, f, p: _Producer) -> int:
         """Dask runs producer ``p`` again on its worker (its task's restriction), making the blocks
-        of it no worker holds; -> that worker. Its reads are taken as there (Dask would rerun
-        theirs too: a cascade not modeled)."""
+        of it no worker holds; -> that worker. A read of ``p`` that no worker holds either is
+        Dask's to get back first: its own producer runs again (a cascade), and ``p`` waits."""
         w = self.workers[p.worker]
         gone = tuple(b for b in p.blocks if not self.dir.holders(b[0]) and b[0] not in self.pending)
         ready = _Ready()
         for k, _, _ in gone:
             self.pending[k] = (w.idx, ready)
         self.reruns += 1
+        inputs = []
+        for k, _, _ in p.reads:
+            if self.dir.holders(k):
+                continue
+            if k not in self.pending and k in self.lineage:
+                self._rerun(f, self.lineage[k])
+            if k in self.pending:
+                inputs.append(self.pending[k][1])
         to_prefill, position, _ = p.shape
-        self._task(f, w, gone, p.reads, p.shape, w.prof.seconds(to_prefill, position), ready.fire)
+        pred = w.prof.seconds(to_prefill, position)
+
+        def run():
+            self._task(f, w, gone, p.reads, p.shape, pred, ready.fire)
+
+        after = _all(inputs)
+        if after is None:
+            run()
+        else:
+            after.then(run)
         return w.idx
 
     def _in_flight(self, blocks, upto: int) -> _Ready | None:
