@@ -186,6 +186,29 @@ def test_the_report_labels_every_figure(prof):
     assert table and all("MODELED" in line for line in table)
 
 
+def test_several_draws_give_each_ratio_as_its_median_with_every_draw_and_the_range(prof):
+    """``simulate --seeds K``: each point's stream drawn K times (the first is exp 7's own, so
+    one draw reproduces the grid as before), both systems on the same draw; the ratio is the
+    median of the draws' ratios, each kept, with the range printed beside it."""
+    one = report.simulate_grid(prof, [2], ("daskflow-kv", "local"), ["zipf"], per_worker=8, min_workflows=8)
+    three = report.simulate_grid(prof, [2], ("daskflow-kv", "local"), ["zipf"], per_worker=8, min_workflows=8,
+                                 seeds=3)
+    assert [r["seed"] for r in three] == [0, 0, 1, 1, 2, 2]
+    strip = lambda r: {k: v for k, v in r.items() if k != "sim_wall_s"}  # noqa: E731
+    assert [strip(r) for r in three[:2]] == [strip(r) for r in one]  # draw 0 is exp 7's own
+    assert len({r["latency_p95_s"] for r in three if r["system"] == "local"}) == 3  # three different streams
+    [ratio] = report.ratios(three)
+    per_draw = [d["completed_per_min"] / l["completed_per_min"] for d, l in zip(three[::2], three[1::2])]
+    assert ratio["throughput_ratios"] == per_draw and ratio["draws"] == 3
+    assert ratio["throughput_ratio"] == statistics.median(per_draw)
+    assert ratio["throughput_ratio_min"] == min(per_draw) and ratio["throughput_ratio_max"] == max(per_draw)
+    assert "draws" not in report.ratios(one)[0]
+    md = report.markdown({"command": "test", "date": "today", "profile": {"source": prof.source}, "grid": three,
+                          "ratios": report.ratios(three)})
+    assert f"[{min(per_draw):.2f}-{max(per_draw):.2f}x over 3 draws] MODELED" in md
+    assert "| 2 | zipf | 2 | local |" in md  # the grid's rows say their draw
+
+
 def test_a_fitted_profile_prefers_the_profiles_a_run_ended_on(tmp_path):
     """A bench JSON's calibration may be one probe's rate; the profiles refitted from the
     run's own prefills (``prefill_profiles_end``) are what the simulation should model."""
@@ -475,7 +498,7 @@ def test_simulate_refuses_a_missing_or_wrong_input_file_or_a_gate_of_none_in_one
     (tmp_path / "broken.json").write_text("{not json")
     for argv in (["--step-cost", str(tmp_path / "empty.json")], ["--step-cost", str(tmp_path / "missing.json")],
                  ["--profile-from", str(tmp_path / "broken.json")], ["--trace", str(tmp_path / "missing.jsonl")],
-                 ["--workflow-gate", "0"], ["--repeat-of", str(tmp_path / "missing.json")]):
+                 ["--workflow-gate", "0"], ["--repeat-of", str(tmp_path / "missing.json")], ["--seeds", "0"]):
         with pytest.raises(SystemExit) as e:
             main(["--workers", "2", "--out", str(tmp_path / "out"), *argv])
         assert e.value.code == 2

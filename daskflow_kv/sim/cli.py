@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="what-if: daskflow-kv rebuilds an evicted block by a planned prefill of the missing tokens, "
                         "instead of Dask running the block's whole producer again when a lookup finds it in "
                         "lineage (what the runtime does; the default models it)")
+    p.add_argument("--seeds", type=int, default=1, metavar="K",
+                   help="draw each grid point's stream K times (documents and arrivals; the first is exp 7's own) "
+                        "and give each ratio as the median with its range (default %(default)s)")
     p.add_argument("--trace", help="replay a JSON-lines trace (see daskflow_kv/sim/workload.py) instead of exp 7")
     p.add_argument("--budget", type=int, help="KV bytes per worker for --trace runs (default: none)")
     p.add_argument("--no-fidelity", action="store_true", help="skip the comparison with measured exp 7 rows")
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
                      "recorded their steps (the scatter the draws take)")
     if args.draws_against and not args.draws:
         parser.error("--draws-against needs --draws")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: give 1 or more draws per grid point")
     if args.workflow_gate is not None and not 0 < args.workflow_gate < math.inf:
         parser.error(f"--workflow-gate {args.workflow_gate}: give running workflows per worker, more than 0")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -100,8 +105,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     grid = simulate_grid(profile, args.workers, args.systems, args.streams, per_worker=args.per_worker,
                          rate_per_worker=args.rate_per_worker, gate=args.workflow_gate,
-                         lineage=not args.no_lineage_reruns,
-                         progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} {r['system']:<12} "
+                         lineage=not args.no_lineage_reruns, seeds=args.seeds,
+                         progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} "
+                                                + (f"draw {r['seed']} " if r.get("seed") else "") + f"{r['system']:<12} "
                                                 f"{r['completed_per_min']:8.1f}/min p95 {r['latency_p95_s']:7.1f} s "
                                                 f"MODELED ({r['sim_wall_s']:.1f} s)"))
     result = {"label": "MODELED", "command": "daskflow-kv simulate " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -23,8 +23,11 @@ def plot_ratios(result: dict, path: str | Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for stream in sorted({r["stream"] for r in rows}):
-        pts = sorted((r["workers"], r["throughput_ratio"]) for r in rows if r["stream"] == stream)
-        ax.plot([w for w, _ in pts], [x for _, x in pts], marker="o", label=stream)
+        pts = sorted((r["workers"], r["throughput_ratio"], r.get("throughput_ratio_min", r["throughput_ratio"]),
+                      r.get("throughput_ratio_max", r["throughput_ratio"])) for r in rows if r["stream"] == stream)
+        # several draws a point: the median, with the draws' range as its bar
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                    marker="o", capsize=3, label=stream)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(2.0, color="grey", lw=0.8, ls=":")  # the issue's target at 32 workers, Zipf under a budget
     ax.set_xscale("log", base=2)

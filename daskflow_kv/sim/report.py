@@ -238,45 +238,64 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
 def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv", "local", "text"),
                   streams=STREAMS, per_worker: int = 20, docs_per_worker: int = 2, rate_per_worker: float = 18.0,
                   context: int = 1024, max_new: int = 16, min_workflows: int = 64, max_workflows: int = 10_240,
-                  progress=None, gate: float | None = None, lineage: bool = True) -> list[dict]:
+                  progress=None, gate: float | None = None, lineage: bool = True, seeds: int = 1) -> list[dict]:
     """Throughput and p95 per (workers, stream, system). Load scales with the cluster: exp 7's
     saturating 36/min on 2 workers (18/min per worker), ``per_worker`` workflows and
     ``docs_per_worker`` documents per worker; the budget is exp 7's rule at 2 workers (a
     fixed number of bytes per worker, so a worker holds about one document as N grows).
     ``gate``: running workflows per worker at most, for every system (``policy.workflow_gate``).
     ``lineage``: False models daskflow-kv rebuilding an evicted block by a planned prefill of
-    what is missing, not Dask running its producer again (a what-if: the runtime reruns)."""
+    what is missing, not Dask running its producer again (a what-if: the runtime reruns).
+    ``seeds``: streams drawn per point (documents and arrivals); seed 0 is exp 7's own draw.
+    One saturated row can move by several percent with one unplanned rerun more or less, so
+    a ratio read from one draw needs its spread beside it (``ratios``)."""
     rows = []
     for n_workers in workers:
         n = min(max_workflows, max(min_workflows, per_worker * n_workers))
         docs = docs_per_worker * n_workers
+        rate = rate_per_worker * n_workers
         for kind in streams:
-            wfs = exp7_stream(n, rate_per_worker * n_workers, docs, kind, context, max_new)
-            budget = None
-            if kind.endswith("-budget"):
-                budget = exp7_budget(2 * docs_per_worker, context, profile.bytes_per_token, wfs)
-            for system in systems:
-                kw = {"lineage": lineage} if system == "daskflow-kv" else {}
-                row = run_system(system, profile, wfs, n_workers, budget, gate=gate, **kw)
-                row.update(stream=kind, docs=docs, rate_per_min=rate_per_worker * n_workers, gate_per_worker=gate)
-                if kw:
-                    row["lineage_reruns_modeled"] = lineage
-                rows.append(row)
-                if progress:
-                    progress(row)
+            for seed in range(seeds):
+                wfs = exp7_stream(n, rate, docs, kind, context, max_new, **_draw(seed, rate))
+                budget = None
+                if kind.endswith("-budget"):
+                    budget = exp7_budget(2 * docs_per_worker, context, profile.bytes_per_token, wfs)
+                for system in systems:
+                    kw = {"lineage": lineage} if system == "daskflow-kv" else {}
+                    row = run_system(system, profile, wfs, n_workers, budget, gate=gate, **kw)
+                    row.update(stream=kind, docs=docs, rate_per_min=rate, gate_per_worker=gate, seed=seed)
+                    if kw:
+                        row["lineage_reruns_modeled"] = lineage
+                    rows.append(row)
+                    if progress:
+                        progress(row)
     return rows
 
 
+def _draw(seed: int, rate_per_min: float) -> dict:
+    """exp7_stream's seeds for draw ``seed``: 0 is exp 7's own (its defaults)."""
+    return {} if seed == 0 else {"doc_seed": 7 + seed, "arrival_seed": int(rate_per_min * 1000) + seed}
+
+
 def ratios(rows: list[dict], a: str = "daskflow-kv", b: str = "local") -> list[dict]:
-    """daskflow-kv / local throughput per (workers, stream)."""
-    idx = {(r["workers"], r["stream"], r["system"]): r for r in rows}
+    """daskflow-kv / local throughput per (workers, stream), each system on the same draw; over
+    several draws (``seed``) the median, with every draw's ratio and their range."""
+    idx = {(r["workers"], r["stream"], r.get("seed", 0), r["system"]): r for r in rows}
+    pairs: dict = {}
+    for (w, s, seed, sys_), r in sorted(idx.items()):
+        if sys_ == a and (w, s, seed, b) in idx:
+            o = idx[(w, s, seed, b)]
+            pairs.setdefault((w, s), []).append((r["completed_per_min"] / o["completed_per_min"],
+                                                 r["latency_p95_s"] / o["latency_p95_s"]))
     out = []
-    for (w, s, sys_), r in sorted(idx.items()):
-        if sys_ == a and (w, s, b) in idx:
-            o = idx[(w, s, b)]
-            out.append({"label": LABEL, "workers": w, "stream": s,
-                        "throughput_ratio": r["completed_per_min"] / o["completed_per_min"],
-                        "p95_ratio": r["latency_p95_s"] / o["latency_p95_s"]})
+    for (w, s), xs in pairs.items():
+        thr = [t for t, _ in xs]
+        row = {"label": LABEL, "workers": w, "stream": s, "throughput_ratio": statistics.median(thr),
+               "p95_ratio": statistics.median(p for _, p in xs)}
+        if len(xs) > 1:
+            row.update(draws=len(xs), throughput_ratios=thr, throughput_ratio_min=min(thr),
+                       throughput_ratio_max=max(thr))
+        out.append(row)
     return out
 
 
@@ -358,17 +377,22 @@ def markdown(result: dict) -> str:
             lines.append(f"| {x['system']} | {x['metric']} | {100 * x['min']:+.0f} % | {100 * x['max']:+.0f} % | "
                          f"{100 * x['mean']:+.0f} % | {100 * x['mean_abs']:.0f} % | {x['within']}/{x['rows']} |")
         lines.append("")
+    drawn = any(r.get("seed") for r in result["grid"])  # several draws per point: say which row is which
     lines += ["## Throughput and p95 latency vs workers (MODELED)", "",
-              "| workers | stream | system | workflows | completed/min | p95 latency s | tokens prefilled | transfers | "
-              "evictions | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| workers | stream | " + ("draw | " if drawn else "") + "system | workflows | completed/min | "
+              "p95 latency s | tokens prefilled | transfers | evictions | failed |",
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if drawn else "")]
     for r in result["grid"]:
-        lines.append(f"| {r['workers']} | {r['stream']} | {r['system']} | {r['workflows']} | "
+        lines.append(f"| {r['workers']} | {r['stream']} | " + (f"{r.get('seed', 0)} | " if drawn else "")
+                     + f"{r['system']} | {r['workflows']} | "
                      f"{_f(r['completed_per_min'])} MODELED | {_f(r['latency_p95_s'])} MODELED | "
                      f"{r['tokens_prefilled']:,} | {r['transfers']} | {r['evictions']} | {r['failed']} |")
     lines += ["", "## daskflow-kv / local (MODELED)", "", "| workers | stream | throughput ratio | p95 ratio |",
               "|---|---|---|---|"]
     for r in result["ratios"]:
-        lines.append(f"| {r['workers']} | {r['stream']} | {_f(r['throughput_ratio'], '{:.2f}x')} MODELED | "
+        spread = (f" [{r['throughput_ratio_min']:.2f}-{r['throughput_ratio_max']:.2f}x over {r['draws']} draws]"
+                  if r.get("draws") else "")
+        lines.append(f"| {r['workers']} | {r['stream']} | {_f(r['throughput_ratio'], '{:.2f}x')}{spread} MODELED | "
                      f"{_f(r['p95_ratio'], '{:.2f}x')} MODELED |")
     sp = result.get("speed")
     if sp:
