@@ -21,6 +21,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from daskflow_kv.sim.step_cost import row_steps
+
 BUCKETS = ((1, 2), (3, 5), (6, 8), (9, 10**6))  # decode rows of a step, grouped
 
 
@@ -31,10 +33,9 @@ def _bucket(rows: int) -> str:
 
 def decode_only_steps(row: dict) -> dict[str, list[float]]:
     """Seconds of the row's decode-only steps, by decode rows (every worker's together)."""
-    fields, out = row.get("step_shape_fields") or [], defaultdict(list)
-    for shapes in (row.get("step_shapes") or {}).values():
-        for values in shapes:
-            s = dict(zip(fields, values))
+    out = defaultdict(list)
+    for steps in row_steps(row).values():
+        for s in steps:
             if not (s["prompt_rows"] or s["joined"] or s["finished"] or s["loaded_tokens"]) and s["decode_rows"]:
                 out[_bucket(s["decode_rows"])].append(s["seconds"])
     return out

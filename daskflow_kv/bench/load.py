@@ -153,10 +153,15 @@ def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else math.nan,
         "shared_prefill_wall_s": None,  # workflows overlap and share contexts: no single start
         "tokens_prefilled": prefilled,
-        "hit_rate": (1 - prefilled / text_tokens) if text_tokens and len(ok) == n else None,
+        "hit_rate": _hit_rate(prefilled, text_tokens) if len(ok) == n else None,
         "decisions": decisions, "plan_error_median_s": statistics.median(plan) if plan else None,
         **{c: counters.get(c) for c in COUNTERS}, **evidence(records),
     }
+
+
+def _hit_rate(prefilled: int, text_tokens: int | None) -> float | None:
+    """The share of text replay's prompt tokens a system did not prefill (None: no reference)."""
+    return 1 - prefilled / text_tokens if text_tokens else None
 
 
 def _count_computed(row: dict, text_tokens: int | None) -> None:
@@ -171,8 +176,8 @@ def _count_computed(row: dict, text_tokens: int | None) -> None:
     dropped = sum(n for w in (row.get("prompt_by_op") or {}).values() for n in w.get("dropped", {}).values())
     row["tokens_counted"] = row["tokens_prefilled"]
     row["tokens_prefilled"] = row["tokens_computed"] + dropped
-    if row.get("hit_rate") is not None and text_tokens:
-        row["hit_rate"] = 1 - row["tokens_prefilled"] / text_tokens
+    if row.get("hit_rate") is not None:
+        row["hit_rate"] = _hit_rate(row["tokens_prefilled"], text_tokens)
 
 
 def _ledger(client, since: float) -> dict:

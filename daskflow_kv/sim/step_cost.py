@@ -151,15 +151,17 @@ def steps_by_side(by_worker: dict[str, list[dict]]):
             yield s, None if share is None else ("paired" if share >= 0.5 else "alone")
 
 
+def row_steps(row: dict) -> dict[str, list[dict]]:
+    """One bench row's recorded steps, by worker, as dicts (empty: it recorded none)."""
+    fields = row.get("step_shape_fields") or ()
+    return {w: [dict(zip(fields, s)) for s in steps] for w, steps in (row.get("step_shapes") or {}).items()}
+
+
 def bench_step_rows(data: dict, skip: int | None = None) -> list[dict[str, list[dict]]]:
     """Each exp 7 row's recorded steps, by worker, as dicts (a bench JSON written with
     ``DASKFLOW_KV_BENCH_STEP_SHAPES=1``), but the row at ``runs[skip]``."""
-    rows = []
-    for i, r in enumerate(data.get("runs") or ()):
-        if r.get("exp") == "exp7" and r.get("step_shapes") and i != skip:
-            fields = r["step_shape_fields"]
-            rows.append({w: [dict(zip(fields, s)) for s in steps] for w, steps in r["step_shapes"].items()})
-    return rows
+    return [row_steps(r) for i, r in enumerate(data.get("runs") or ())
+            if r.get("exp") == "exp7" and r.get("step_shapes") and i != skip]
 
 
 def fit_in_workers(data: dict, min_steps: int = 4 * len(TERMS), skip: int | None = None) -> dict:

@@ -511,8 +511,8 @@ class DaskflowSystem(System):
             self.planned[t.idx] += pred
             # ``pred`` bound now: the name is reused for the branches below, and a materialize
             # waiting for its cached part (made by another workflow) runs after they are planned
-            made.then(lambda pred=pred: self._task(f, t, blocks[len(match.blocks):], blocks[:len(match.blocks)],
-                                                   (plen - cached, cached, 0), pred, mat.fire, planned=pred))
+            made.then(lambda pred=pred: self._task(f, t, made_by.blocks, made_by.reads, made_by.shape, pred,
+                                                   mat.fire, planned=pred))
             view = view.with_queue(t.name, self._busy(t) if self.count_planned else t.busy_s() + pred)
         elif not mat.done:
             made.then(mat.fire)
