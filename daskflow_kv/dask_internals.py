@@ -124,11 +124,6 @@ def is_strict(ts) -> bool:
     return bool(ts.worker_restrictions) and not ts.loose_restrictions
 
 
-def recompute(scheduler, keys: Collection, stimulus_id: str) -> None:
-    """Bring released keys back (released -> waiting): Dask recomputes them from lineage."""
-    scheduler.transitions({k: "waiting" for k in keys}, stimulus_id=stimulus_id)
-
-
 def reschedule(scheduler, keys: Collection, stimulus_id: str) -> None:
     """Tasks stuck in no-worker whose restrictions were loosened: schedule them now."""
     scheduler.transitions({k: "processing" for k in keys}, stimulus_id=stimulus_id)

@@ -9,7 +9,9 @@ run under it; ``<hex>`` is a block's content address or a task's random tail:
 
 =================  ==========================================================================
 ``kvblock-…``      a content-addressed KV block (``state.blocks.block_key``): what the catalog
-                   lists, the budget evicts and the store persists
+                   lists, the budget evicts and the store persists; ``kvblock-g<hex>-…``:
+                   the same content made again after Dask released its first key
+                   (``rebuilt_key``: Dask keeps a key's first run spec)
 ``kvprefill-…``    a prefill's output: the new blocks' tensors before they are cut into keys
                    (``kvprefill-branch-…``: one branch's, cut from a batched prefill's)
 ``kvresult-…``     the small, tensor-free result of a prefill (tokens, metrics)
@@ -71,6 +73,8 @@ _OUTPUTS = _prefixes(OUTPUTS)
 TAG_HEX = 8  # hex digits of a namespace tag
 _TAG_RE = re.compile(rf"^[0-9a-f]{{{TAG_HEX}}}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{16,}$")  # a block's content address or a task key's random tail
+_GEN = "g"  # a rebuilt block's generation: "g" and 8 random hex digits (never a tag: not hex)
+_GEN_RE = re.compile(rf"^{_GEN}[0-9a-f]{{8}}$")
 
 
 # -- constructors -------------------------------------------------------------------------------
@@ -89,6 +93,17 @@ def block_key(digest_hex: str, namespace: str | None = None) -> str:
     if namespace is None:
         return f"{BLOCK}-{digest_hex}"
     return f"{BLOCK}-{namespace_tag(namespace)}-{digest_hex}"
+
+
+def rebuilt_key(block: str) -> str:
+    """A fresh Dask key for the content of ``block`` (``kvblock-g<8 hex>-<tag>-<digest>``).
+
+    An evicted block whose key Dask still keeps as lineage (a later block was cut from the
+    same prefill) can only be computed again by Dask's own rerun of its first task, unplanned
+    and whole. A planned rebuild of only what is missing needs a key Dask does not know; the
+    content address, which chains and store objects are named by, stays ``content_key``'s.
+    """
+    return f"{BLOCK}-{_GEN}{secrets.token_hex(4)}-{content_key(block)[len(BLOCK) + 1:]}"
 
 
 def task_key(kind: str, namespace: str, *ident) -> str:
@@ -122,6 +137,15 @@ def tag_of(key) -> str | None:
         return None
     parts = str(key).rsplit("-", 2)
     return parts[1] if len(parts) == 3 and _TAG_RE.match(parts[1]) and _HEX_RE.match(parts[2]) else None
+
+
+def content_key(block) -> str:
+    """The content address of a block key: itself, or a rebuilt key without its generation."""
+    k = str(block)
+    parts = k.split("-", 2)
+    if len(parts) == 3 and parts[0] == BLOCK and _GEN_RE.match(parts[1]):
+        return f"{BLOCK}-{parts[2]}"
+    return k
 
 
 def is_kv(key) -> bool:

@@ -31,7 +31,7 @@ from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_budget import BudgetEnforcer
 from .kv_events import EventLog
-from .kv_leases import LeaseBook, usable
+from .kv_leases import LeaseBook, held
 from .kv_lifecycle import BlockLifecycle
 from .kv_locality import Locality
 from .kv_notes import MAX_LIST, MAX_TEXT
@@ -156,8 +156,8 @@ class ClientHandlers:
             raise ValueError("root must be a string")
         match = self._catalog.lookup(root, keys, tokens, block_size, None if s.is_admin else s.namespace)
         usable_blocks = []
-        for b in match.blocks:  # stop at the first block Dask cannot give back, or not its namespace's
-            if not usable(self._scheduler.tasks.get(b.key)) or not self._own(b.key, s):
+        for b in match.blocks:  # stop at the first block Dask does not hold, or not its namespace's
+            if not held(self._scheduler.tasks.get(b.key)) or not self._own(b.key, s):
                 break
             usable_blocks.append(b)
         covered = (match.tokens if len(usable_blocks) == len(match.blocks)
@@ -178,10 +178,27 @@ class ClientHandlers:
         return {"tokens": covered, "blocks": blocks}
 
     def handle_acquire(self, session: str, keys: list[str], flow: str | None = None) -> dict[str, str]:
-        """Take a reference to blocks the caller already knows by key (its own namespace only).
-        ``flow``: the workflow run that will hold them (see ``kv_budget``)."""
+        """Take a reference to the blocks of content addresses the caller computed (its own
+        namespace only). ``flow``: the workflow run that will hold them (see ``kv_budget``).
+
+        -> content address: the Dask key acquired for it, or "" where the scheduler keeps that
+        content only under a key it does not hold (released lineage, or erred): the caller makes
+        it under a fresh key (``keys.rebuilt_key``). Addresses the scheduler does not know are
+        left out: their own key is free.
+        """
         s = self._session(session)
-        return self._leases.acquire([k for k in _strings("keys", keys) if self._own(k, s)], s.client, _run(s, flow))
+        tag = None if s.is_admin else s.tag
+        current, stale = {}, {}
+        for content in _strings("keys", keys):
+            if tag is not None and tag_of(content) != tag:
+                continue  # not the caller's to ask about
+            key = self._catalog.current_key(content)
+            if held(self._scheduler.tasks.get(key)) and self._own(key, s):
+                current[content] = key
+            elif key in self._scheduler.tasks or content in self._scheduler.tasks:
+                stale[content] = ""
+        self._leases.acquire(list(current.values()), s.client, _run(s, flow))  # held: all taken
+        return {**stale, **current}
 
     def handle_snapshot(self, session: str) -> dict:
         """What the planner needs: workers and their load, links, prefill profiles. No user data.

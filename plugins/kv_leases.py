@@ -2,8 +2,10 @@
 
 ``acquire`` makes the caller's client (and the cache's pseudo-client) want the keys in the
 same event-loop tick as the lookup (``client_desires_keys``, as ``Variable.get`` does), so
-a block found in the cache cannot be evicted before the client holds its future; a
-released block that is needed again is recomputed by Dask from its lineage. Each acquired
+a block found in the cache cannot be evicted before the client holds its future. Only keys
+Dask holds or is computing are handed out: a released one would come back only by Dask's
+unplanned rerun of the whole task that first made it, so its content is made again by a
+planned prefill under a fresh key instead (``keys.rebuilt_key``). Each acquired
 key is also leased for ``lease_seconds``: the budget leaves it alone until its reader's
 task holds it.
 
@@ -21,12 +23,12 @@ from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_settings import KVSettings
 
-NOT_USABLE = ("erred", "forgotten")  # task states a lookup never hands out
+NOT_HELD = ("released", "erred", "forgotten")  # task states a lookup never hands out
 
 
-def usable(ts) -> bool:
-    """Dask can give this task's key back (computed, or computable from its lineage)."""
-    return ts is not None and ts.state not in NOT_USABLE
+def held(ts) -> bool:
+    """Dask holds this task's key, or is computing it: reading it runs nothing unplanned."""
+    return ts is not None and ts.state not in NOT_HELD
 
 
 class LeaseBook:
@@ -41,10 +43,10 @@ class LeaseBook:
         self._holders: dict = {}  # key -> {client: {(namespace, run), ...}}: runs it was acquired for
 
     def acquire(self, keys: list, client: str | None, run: tuple | None = None) -> dict:
-        """Make ``client`` (and the cache) want ``keys``; recompute released ones. -> key: state.
+        """Make ``client`` (and the cache) want those of ``keys`` Dask holds. -> key: state.
         ``run``: the (namespace, workflow run) the client acquires them for."""
         tasks = self._scheduler.tasks
-        known = [k for k in dict.fromkeys(keys) if usable(tasks.get(k))]
+        known = [k for k in dict.fromkeys(keys) if held(tasks.get(k))]
         if not known:
             return {}
         now = time.time()
@@ -56,9 +58,6 @@ class LeaseBook:
         if client in self._scheduler.clients:  # not a client that has gone meanwhile
             di.want(self._scheduler, known, client)
         di.want(self._scheduler, [k for k in known if k in self._catalog.blocks], CACHE_CLIENT)
-        released = [k for k in known if tasks[k].state == "released"]
-        if released:  # needed again after it left memory: Dask recomputes it from lineage
-            di.recompute(self._scheduler, released, f"kv-acquire-{now}")
         return {k: tasks[k].state for k in known}
 
     def acquired_for(self, key, client: str) -> set:

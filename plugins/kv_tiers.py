@@ -35,9 +35,14 @@ class TierTracker:
         self._events = events  # store failures
         self._spilled: dict[str, frozenset] = {}  # worker -> KV block keys on its spill disk (its last report)
 
-    def _namespace(self, e: dict) -> str | None:
+    def _key(self, e: dict) -> str | None:
+        """The Dask key of the block a store event names by content address."""
         key = e.get("key")
-        return self._catalog.namespace_of(key) if isinstance(key, str) else None
+        return self._catalog.current_key(key) if isinstance(key, str) else None
+
+    def _namespace(self, e: dict) -> str | None:
+        key = self._key(e)
+        return None if key is None else self._catalog.namespace_of(key)
 
     def report(self, worker: str, spilled: list[str] | None = None, events=()) -> bool:
         """Take a worker's report. -> whether its spilled blocks changed (so did its KV in memory)."""
@@ -56,7 +61,7 @@ class TierTracker:
             self._catalog.count("store_writes", namespace=ns)
             self._catalog.count("store_bytes_written", _count(e, "nbytes"), ns)
         if op == "write":  # written now, or there already: either way a copy is stored
-            self._catalog.mark_persisted(e.get("key"))
+            self._catalog.mark_persisted(self._key(e))
         elif op == "load":
             self._catalog.count("store_loads", _count(e, "blocks"), ns)
             self._catalog.count("store_bytes_read", _count(e, "nbytes"), ns)
@@ -64,7 +69,7 @@ class TierTracker:
             if e.get("corrupt"):
                 self._events.record("store-corrupt", None, worker=worker)
         elif op == "write-failed":
-            self._catalog.mark_persisted(e.get("key"), False)
+            self._catalog.mark_persisted(self._key(e), False)
             self._events.record("store-write-failed", None, worker=worker, error=str(e.get("error", ""))[:200])
 
     def forget_worker(self, worker: str) -> None:

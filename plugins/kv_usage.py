@@ -46,6 +46,10 @@ class KVUsage:
         """Cataloged blocks, replicas and outputs (a block key outside the catalog is nobody's)."""
         return key in self._catalog.blocks or (holds_kv(key) and not is_block(key))
 
+    def _parent_key(self, e) -> str | None:
+        """The Dask key of a block's parent (its entry names the parent by content address)."""
+        return None if e.parent is None else self._catalog.current_key(e.parent)
+
     def held_bytes(self, ts, ws) -> int:
         """What ``ts`` adds to ``ws``'s KV *memory*. A block (or a batch's branch) cut from a
         prefill's or a load's output shares its tensors: while that output is still in memory
@@ -97,7 +101,7 @@ class KVUsage:
             # memory: evicting a spilled one frees disk, not the memory the budget is about.
             if e is not None and not self._tiers.spilled_on(ts.key, ws.address):
                 usage.append(BlockUsage(ts.key, ts.get_nbytes(), e.last_access, e.reuse_count,
-                                        self.pinned(ts, now), e.parent, e.start, e.namespace,
+                                        self.pinned(ts, now), self._parent_key(e), e.start, e.namespace,
                                         self._leases.is_planned(ts.key, now), len(ts.who_has or ()) > 1))
         return WorkerUsage(used, usage, by_owner)
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from daskflow_kv.keys import content_key, is_block, namespace_tag, rebuilt_key, tag_of
 from daskflow_kv.state.blocks import BlockRef, aligned_floor, block_key, chain_keys, reusable_prefix, split_spans
 from daskflow_kv.state.prefix_index import PrefixIndex
 
@@ -65,6 +66,31 @@ def test_remove_forgets_blocks():
     for key, _, _ in chain_keys(FP, tokens, 16):
         idx.remove(key)
     assert len(idx) == 0 and idx.longest_prefix(FP, tokens, 16).tokens == 0
+
+
+def test_a_rebuilt_key_names_the_same_content_and_the_same_namespace():
+    content = block_key(FP, None, [1, 2, 3], namespace="alice")
+    again = rebuilt_key(content)
+    assert again != content and again != rebuilt_key(content) and is_block(again)
+    assert content_key(again) == content_key(rebuilt_key(again)) == content_key(content) == content
+    assert tag_of(again) == tag_of(content) == namespace_tag("alice")
+    untagged = block_key(FP, None, [1, 2, 3])
+    assert content_key(rebuilt_key(untagged)) == untagged and tag_of(rebuilt_key(untagged)) is None
+
+
+def test_a_rebuilt_block_takes_its_contents_place_and_the_old_key_cannot_remove_it():
+    tokens = list(range(40))
+    idx = _index(tokens, 16)
+    (k0, _, _), (k1, s1, e1), (k2, _, _) = chain_keys(FP, tokens, 16)
+    new = rebuilt_key(k1)
+    idx.add(BlockRef(new, s1, tuple(tokens[s1:e1]), 0), k0, FP)  # its parent is named by content
+    m = idx.longest_prefix(FP, tokens, 16)
+    assert m.keys == (k0, new, k2) and m.tokens == 40  # the chain walks on through the content
+    assert k1 not in idx and new in idx and idx.current(k1) == new and len(idx) == 3
+    idx.remove(k1)  # Dask forgets the old key later: the rebuilt one stays
+    assert idx.longest_prefix(FP, tokens, 16).keys == (k0, new, k2)
+    idx.remove(new)
+    assert idx.longest_prefix(FP, tokens, 16).tokens == 16 and idx.current(k1) is None
 
 
 def test_reusable_prefix_keeps_whole_blocks_only_when_aligned():

@@ -260,22 +260,6 @@ def test_pin_holds_a_task_to_its_worker_and_loosen_lets_it_go(client, workers):
     assert third.result(timeout=20) in (a, b)
 
 
-def test_recompute_brings_a_released_key_back(client):
-    x = client.submit(lambda: np.arange(10), key="internals-x", pure=False)
-    y = client.submit(lambda v: int(v.sum()), x, key="internals-y", pure=False)
-    assert y.result(timeout=10) == 45
-    del x
-    assert wait_until(lambda: _state(client, "internals-x") == "released")
-
-    def bring_back(dask_scheduler, client_id):
-        di.want(dask_scheduler, ["internals-x"], client_id)
-        di.recompute(dask_scheduler, ["internals-x"], "test-recompute")
-
-    client.run_on_scheduler(bring_back, client_id=client.id)
-    x2 = di.hold_futures(client, ["internals-x"])["internals-x"]
-    assert list(x2.result(timeout=10)) == list(range(10))
-
-
 def test_drop_replica_removes_one_copy(client, workers):
     a, b = workers
     x = client.submit(lambda: np.ones(1000), key="internals-replicated", workers=[a], pure=False)

@@ -2,7 +2,7 @@
 
 import time
 
-from conftest import CONTEXT, SUFFIXES, make_engine
+from conftest import CONTEXT, SUFFIXES, make_engine, wait_until
 
 from daskflow_kv.runtime.kv_runtime import KVRuntime
 from daskflow_kv.transport.serialization import _SIZEOF_OVERHEAD
@@ -83,3 +83,52 @@ def test_budget_evicts_released_states_keeps_live_ones_and_recomputes_identicall
         time.sleep(0.1)
     assert all(v <= budget + block for v in _worker_kv_bytes(client).values())
     rt.configure(unset_budget=True)
+
+
+def _task_states(client, keys) -> dict:
+    return client.run_on_scheduler(
+        lambda dask_scheduler, keys: {k: (dask_scheduler.tasks[k].state if k in dask_scheduler.tasks else None)
+                                      for k in keys}, keys=list(keys))
+
+
+def test_a_block_dask_keeps_only_as_lineage_is_rebuilt_by_a_planned_prefill_under_a_fresh_key(client):
+    """The context's partial last block is read by its continuation's prefill but listed by no
+    live state: a flush lets it go, and Dask keeps it released (its reader's output is still
+    needed). Materializing the context again prefills only that block's tokens, under a fresh
+    Dask key of the same content - not Dask's rerun of the whole context's prefill."""
+    from daskflow_kv.keys import content_key
+
+    rt = KVRuntime(client, "tiny-llama", block_size=16)
+    engine = make_engine("tiny-llama", block_size=16)
+    ctx = rt.encode(CONTEXT)
+    assert len(ctx) % 16, "the context must end in a partial block"
+    doc = rt.materialize(ctx)
+    child = rt.extend(doc, rt.encode(SUFFIXES[0]))  # reads doc's partial block, lists a longer one
+    rt.wait([child])
+    tail = doc.state.block_keys[-1]
+    assert tail not in child.state.block_keys
+    rt.release(doc)
+    before = rt.counters()["counters"]
+    rt.configure(kv_budget_bytes=0)  # a flush: the cache lets go of every block no live state lists
+    assert wait_until(lambda: _task_states(client, [tail])[tail] == "released"), _task_states(client, [tail])
+    rt.configure(unset_budget=True)
+
+    again = rt.materialize(ctx)
+    rt.wait([again])
+    ev = again.state.lineage[-1].as_dict()
+    assert ev["tokens_computed"] == len(ctx) % 16  # only the block Dask let go, planned
+    assert again.state.block_keys[:-1] == doc.state.block_keys[:-1]  # still held: shared as they were
+    rebuilt = again.state.block_keys[-1]
+    assert rebuilt != tail and content_key(rebuilt) == tail
+    states = _task_states(client, [tail, rebuilt])
+    assert states == {tail: "released", rebuilt: "memory"}  # the old key was not run again
+    after = rt.counters()["counters"]
+    assert after["lineage_recomputes"] == before["lineage_recomputes"]
+    g = rt.resume(again, rt.encode(SUFFIXES[1]), max_new_tokens=NEW)
+    assert g.tokens == engine.generate_text(ctx + rt.encode(SUFFIXES[1]), NEW).tokens
+    # A later lookup finds the rebuilt block by its content.
+    third = rt.materialize(ctx)
+    assert third.state.block_keys == again.state.block_keys
+    assert third.state.lineage[-1].as_dict()["tokens_computed"] == 0
+    for s in (child, again, third, g.state):
+        rt.release(s)

@@ -1,5 +1,6 @@
 """The scheduler plugin's catalog as plain data: lifecycle, prefix index, pruning, Arrow export."""
 
+from daskflow_kv.keys import rebuilt_key
 from daskflow_kv.state.blocks import chain_keys
 from daskflow_kv.state.catalog import ARROW_COLUMNS, KVCatalog, rows_to_arrow
 
@@ -23,6 +24,23 @@ def _lookup(cat, tokens, block_size=4, namespace=None):
     full = len(tokens) - len(tokens) % block_size
     keys = [k for k, _, _ in chain_keys(FP, tokens[:full], block_size)]
     return cat.lookup(FP, keys, tokens, block_size, namespace)
+
+
+def test_an_eviction_made_good_under_a_rebuilt_key_is_regretted_not_a_lineage_recompute():
+    cat = KVCatalog()
+    tokens = list(range(8))
+    first, second = _publish(cat, tokens)
+    for k in (first, second):
+        cat.entered_memory(k)
+    cat.set_status(second, "evicted")
+    again = rebuilt_key(second)
+    cat.add_block({"key": again, "start": 4, "end": 8, "nbytes": 40, "tokens": tokens[4:], "parent": first,
+                   "fingerprint": FP, "state_id": "s2"})
+    assert cat.entered_memory(again) is False  # its first run: planned, not Dask's rerun
+    assert cat.counters["evictions_regretted"] == 1 and cat.counters["lineage_recomputes"] == 0
+    assert _lookup(cat, tokens).keys == (first, again) and cat.current_key(second) == again
+    cat.forget(second)  # Dask drops the old key's lineage later: the rebuilt block stays found
+    assert _lookup(cat, tokens).keys == (first, again)
 
 
 def test_lifecycle_counts_lineage_recomputes_and_keeps_history_while_listed():

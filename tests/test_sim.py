@@ -245,11 +245,12 @@ def test_a_document_still_being_prefilled_is_waited_for_not_prefilled_again():
     assert not sim.pending  # every block in flight was made
 
 
-def test_an_evicted_block_read_again_reruns_its_whole_producer_as_dask_does():
-    """Under a budget an evicted block stays in Dask's lineage: the plugin's lookup still
-    finds it, and reading it makes Dask run the materialize that made it again, all of it, on
-    its worker (measured: an ungated exp 7 row's prefill events, ``bench.prefill_ledger``).
-    The what-if without it (``lineage=False``) prefills only what is missing, planned."""
+def test_an_evicted_block_is_rebuilt_planned_and_the_old_rule_reran_its_whole_producer():
+    """The runtime's rule (the default, ``lineage=False``): a lookup stops at an evicted block
+    and the planner prefills only what is missing, under a fresh key. The rule before
+    2026-12-07 (``lineage=True``): the lookup still found it in Dask's lineage, and reading it
+    made Dask run the materialize that made it again, all of it, on its worker (measured: an
+    ungated exp 7 row's prefill events, ``bench.prefill_ledger``)."""
     from daskflow_kv.policy.cost_model import LinkProfile, PrefillProfile
     from daskflow_kv.sim.profile import SimProfile
 
@@ -268,7 +269,7 @@ def test_an_evicted_block_read_again_reruns_its_whole_producer_as_dask_does():
     # each rerun prefills a document's whole group prefix again, where the what-if adds only
     # the blocks evicted from it
     assert rerun.prefilled - planned.prefilled >= doc
-    assert report.run_system("daskflow-kv", cpu, wfs, 1, int(1.5 * doc * cpu.bytes_per_token))["reruns"] == rerun.reruns
+    assert report.run_system("daskflow-kv", cpu, wfs, 1, int(1.5 * doc * cpu.bytes_per_token))["reruns"] == 0
 
 
 def test_a_rerun_first_gets_back_the_evicted_inputs_of_its_producer():
@@ -278,7 +279,7 @@ def test_a_rerun_first_gets_back_the_evicted_inputs_of_its_producer():
     from daskflow_kv.sim.profile import SimProfile
 
     cpu = SimProfile("cpu-like", (PrefillProfile(0.0, 0.005, 0.0),), LinkProfile(1e9), 46080)  # 5 ms a token
-    sim = systems.DaskflowSystem(cpu, 1)
+    sim = systems.DaskflowSystem(cpu, 1, lineage=True)  # the rule before 2026-12-07
     a, b = ("a", 0, 64), ("b", 64, 128)
     sim.lineage.update(a=systems._Producer(0, (a,), (), (64, 0, 0)), b=systems._Producer(0, (b,), (a,), (64, 64, 0)))
     flow = systems._Flow(exp7_stream(1, 60.0, 1, "uniform")[0])
@@ -292,8 +293,8 @@ def test_a_rerun_first_gets_back_the_evicted_inputs_of_its_producer():
     assert done["b"] - done["a"] >= 0.9 * 64 * 0.005  # b's producer started once a was back
 
 
-def test_the_grid_models_lineage_reruns_unless_asked_for_the_what_if(prof):
-    """``simulate --no-lineage-reruns``: daskflow-kv's rows say which rule they ran; `local` has none."""
+def test_the_grid_models_planned_rebuilds_unless_asked_for_the_old_rule(prof):
+    """``simulate --lineage-reruns``: daskflow-kv's rows say which rule they ran; `local` has none."""
     for lineage in (True, False):
         rows = report.simulate_grid(prof, [2], ("daskflow-kv", "local"), ["zipf-budget"], per_worker=16,
                                     min_workflows=32, lineage=lineage)

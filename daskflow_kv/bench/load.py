@@ -143,6 +143,9 @@ def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref
     return {
         "exp": "exp7", "point": point(kind, rate, gate), "stream": kind, "rate": rate, "rep": rep, "system": system,
         "workflow_gate": gate,  # running workflows per worker at most (None: no gate)
+        # a block Dask keeps only as released lineage is prefilled again, planned, under a fresh
+        # key (keys.rebuilt_key); rows without the field ran before that (Dask reran its producer)
+        "released_blocks": "rebuilt",
         "gate_wait_mean_s": statistics.fmean([r.get("gate_wait_s", 0.0) for r in ok]) if ok else math.nan,
         "phase": "stream", "agree": agree, "workflows": n, "completed": len(ok), "failed": n - len(ok),
         "errors": [r["error"] for r in records if "error" in r], "kv_budget_bytes": budget,

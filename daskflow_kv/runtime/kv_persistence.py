@@ -22,7 +22,7 @@ from distributed import Client, fire_and_forget
 
 from .. import config, validation
 from ..dask_internals import worker_addresses
-from ..keys import PERSIST, task_key
+from ..keys import PERSIST, content_key, task_key
 from ..policy.store_read import StoreDecision, StoreProfile, StoreSample, explain_store, fit_store_profile
 from ..store import worker_io as store_io
 from ..store.kv_store import open_store
@@ -68,6 +68,8 @@ class PersistentTier:
         return self.store.tenant
 
     def write_request(self, key: str, start: int, end: int) -> store_io.WriteRequest:
+        """A write of the block whose content address is ``key`` (stored objects are named by
+        content, so any Dask key of it reads them back)."""
         self._stored.add(key)
         return store_io.WriteRequest(self.store.url, key, start, end, self.fingerprint_digest, self.tenant)
 
@@ -77,10 +79,10 @@ class PersistentTier:
         the writes there."""
         by_worker: dict[str | None, list] = {}
         for b in held.blocks:
-            if b.end <= upto and b.key not in self._stored:
+            if b.end <= upto and content_key(b.key) not in self._stored:
                 by_worker.setdefault(next(iter(b.where), None), []).append(b)
         for worker, blocks in by_worker.items():
-            reqs = [self.write_request(b.key, b.start, b.end) for b in blocks]
+            reqs = [self.write_request(content_key(b.key), b.start, b.end) for b in blocks]
             fut = self.client.submit(store_io.persist_blocks, reqs, *held.futures_of(blocks),
                                      key=task_key(PERSIST, self.namespace), workers=[worker] if worker else None,
                                      allow_other_workers=True, priority=-10, pure=False)

@@ -97,10 +97,11 @@ class PluginClient:
                         **_run_kw())
         return PrefixMatch.from_answer(ans)
 
-    def acquire(self, keys: Iterable[str]) -> list[str]:
-        """Which of ``keys`` the scheduler knows in this namespace, each now acquired for this client."""
+    def acquire(self, keys: Iterable[str]) -> dict[str, str]:
+        """Content addresses the scheduler knows in this namespace -> the Dask key now acquired
+        for this client, or "" for one it keeps only released (make it under a fresh key)."""
         keys = list(keys)
-        return list(self.call("kv_acquire", keys=keys, **_run_kw())) if keys else []
+        return dict(self.call("kv_acquire", keys=keys, **_run_kw())) if keys else {}
 
     def register_states(self, metas: list[dict]) -> None:
         """Catalog new states (the plugin answers once it knows all their blocks)."""

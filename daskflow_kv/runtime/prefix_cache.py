@@ -69,7 +69,10 @@ class PrefixCache:
         match = self.plugin.lookup(self.key_digest, keys, tokens, self.block_size)
         return HeldPrefix(match, hold_futures(self.client, [b.key for b in match.blocks]), tokens)
 
-    def acquire(self, keys: Iterable[str]) -> dict[str, Future]:
-        """Futures for those of ``keys`` the scheduler already knows (cached, being computed, or
-        still in lineage); the rest need a task."""
-        return hold_futures(self.client, self.plugin.acquire(keys))
+    def acquire(self, contents: Iterable[str]) -> tuple[dict[str, Future], set[str]]:
+        """(content address -> future of the block the scheduler holds or is computing for it,
+        the addresses it keeps only released: made again under a fresh key). The rest need a
+        task under their own key."""
+        answer = self.plugin.acquire(contents)
+        futures = hold_futures(self.client, [k for k in answer.values() if k])
+        return {c: futures[k] for c, k in answer.items() if k}, {c for c, k in answer.items() if not k}

@@ -4,18 +4,21 @@ A new state keeps whole blocks of a cached prefix (``kept``) and adds one block 
 Each new span is cut from a task's output on the worker that holds it - a prefill's, one of
 a parallel prefill's chunks, a store load's, or a cached block shortened - as its
 ``BlockSource`` says. A span whose content address the scheduler already knows (cached,
-being computed, or released but still in lineage) is acquired, not submitted again: keys
-never get a second run spec. Every state of one call shares one acquire, and two states
+or being computed) is acquired, not submitted again: keys never get a second run spec. One
+it keeps only released (evicted, still lineage of later blocks) is made again under a fresh
+key (``keys.rebuilt_key``): a planned prefill of what is missing, instead of Dask's rerun of
+the whole task that first made it. Every state of one call shares one acquire, and two states
 with the same continuation share its blocks' keys and futures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distributed import Future
 
+from ..keys import content_key, rebuilt_key
 from ..state.blocks import BlockRef, block_key
 from . import tasks
 from .kv_persistence import PersistentTier
@@ -76,27 +79,30 @@ class Publisher:
         makes them, in the background); ``source="store"``: they were loaded from it.
         """
         plans = [self._chain(s) for s in states]
-        held = self.prefixes.acquire(dict.fromkeys(r.key for planned in plans for r, _ in planned))
+        held, released = self.prefixes.acquire(dict.fromkeys(r.key for planned in plans for r, _ in planned))
         out = []
         for s, planned in zip(states, plans):
             refs, futures = [r for r, _ in s.kept], [f for _, f in s.kept]
             for (ref, parent), src in zip(planned, s.sources, strict=True):
-                if ref.key not in held:
+                content = ref.key
+                if content not in held:  # a new block, or one Dask let go: a task under a free key
+                    ref = replace(ref, key=rebuilt_key(content) if content in released else content)
                     meta = self._meta(ref, parent, s.state_id)
                     if source:
                         meta["source"] = source
                     if store:
                         meta["persist"] = True
-                    task = src.task() + ((self.tier.write_request(ref.key, ref.start, ref.end),) if store else ())
-                    held[ref.key] = self.submitter.block(ref.key, meta, src.worker, *task)
-                refs.append(ref)
-                futures.append(held[ref.key])
+                    task = src.task() + ((self.tier.write_request(content, ref.start, ref.end),) if store else ())
+                    held[content] = self.submitter.block(ref.key, meta, src.worker, *task)
+                refs.append(replace(ref, key=held[content].key))
+                futures.append(held[content])
             out.append(PublishedBlocks(tuple(refs), tuple(futures)))
         return out
 
     def _chain(self, s: NewBlocks) -> list[tuple[BlockRef, str | None]]:
-        """(ref, parent key) of each new span: a key hashes its parent's and its own tokens."""
-        parent = s.kept[-1][0].key if s.kept else None
+        """(ref, parent's content address) of each new span, keyed by its content address: it
+        hashes its parent's and its own tokens."""
+        parent = content_key(s.kept[-1][0].key) if s.kept else None
         planned = []
         for a, b in s.spans:
             key = block_key(self.key_digest, parent, s.tokens[a:b], self.submitter.namespace)

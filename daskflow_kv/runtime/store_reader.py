@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from distributed import Client
 
+from ..keys import content_key
 from ..policy.cluster_view import CachedBlock, ClusterView, WorkerLoad
 from ..policy.cost_model import NeedsCalibration
 from ..policy.placement import holder_of
@@ -51,7 +52,7 @@ class StoreReader:
         chain = chain_keys(self.key_digest, tokens, self.block_size,  # the last one may be partial
                            namespace=self.submitter.namespace)
         mem = 0  # leading blocks memory matched by their own chain key
-        while mem < min(len(held.blocks), len(chain)) and held.blocks[mem].key == chain[mem][0]:
+        while mem < min(len(held.blocks), len(chain)) and content_key(held.blocks[mem].key) == chain[mem][0]:
             mem += 1
         rest = chain[mem:]
         n = store.leading(k for k, _, _ in rest)

@@ -125,8 +125,10 @@ class Replay:
     def run(self, profile=None) -> dict:
         """``run_system`` on this row (with ``profile`` in place of its own, if given)."""
         prof = self.profile if profile is None else profile
+        # the rule its runtime had for blocks Dask kept only as lineage (``released_blocks``)
+        kw = {"lineage": self.row.get("released_blocks") != "rebuilt"} if self.system == "daskflow-kv" else {}
         return run_system(self.system, prof.slowed(self.slowdown), self.workflows, self.workers, self.budget,
-                          gate=self.row.get("workflow_gate"))  # the workflow gate it ran behind, if any
+                          gate=self.row.get("workflow_gate"), **kw)  # the workflow gate it ran behind, if any
 
 
 def replays(path: str | Path, profile, systems=("daskflow-kv", "local", "text"),
@@ -238,14 +240,15 @@ def fidelity_summary(rows: list[dict], tolerance: float = 0.10) -> list[dict]:
 def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv", "local", "text"),
                   streams=STREAMS, per_worker: int = 20, docs_per_worker: int = 2, rate_per_worker: float = 18.0,
                   context: int = 1024, max_new: int = 16, min_workflows: int = 64, max_workflows: int = 10_240,
-                  progress=None, gate: float | None = None, lineage: bool = True, seeds: int = 1) -> list[dict]:
+                  progress=None, gate: float | None = None, lineage: bool = False, seeds: int = 1) -> list[dict]:
     """Throughput and p95 per (workers, stream, system). Load scales with the cluster: exp 7's
     saturating 36/min on 2 workers (18/min per worker), ``per_worker`` workflows and
     ``docs_per_worker`` documents per worker; the budget is exp 7's rule at 2 workers (a
     fixed number of bytes per worker, so a worker holds about one document as N grows).
     ``gate``: running workflows per worker at most, for every system (``policy.workflow_gate``).
-    ``lineage``: False models daskflow-kv rebuilding an evicted block by a planned prefill of
-    what is missing, not Dask running its producer again (a what-if: the runtime reruns).
+    ``lineage``: True models the rule before 2026-12-07, Dask running an evicted block's whole
+    producer again when a lookup finds it in lineage; False (the runtime's rule since) rebuilds
+    it by a planned prefill of what is missing, under a fresh key.
     ``seeds``: streams drawn per point (documents and arrivals); seed 0 is exp 7's own draw.
     One saturated row can move by several percent with one unplanned rerun more or less, so
     a ratio read from one draw needs its spread beside it (``ratios``)."""

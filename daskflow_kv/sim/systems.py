@@ -366,13 +366,14 @@ class DaskflowSystem(System):
 
     name = "daskflow-kv"
 
-    def __init__(self, *a, policy: str = "auto", count_planned: bool = True, lineage: bool = True, **kw):
+    def __init__(self, *a, policy: str = "auto", count_planned: bool = True, lineage: bool = False, **kw):
         super().__init__(*a, **kw)
         self.policy = policy  # plan_placements' policy for branches: auto | transfer | recompute | pin
-        # An evicted block stays in Dask's lineage: a lookup still finds it, and reading it makes
+        # False (the runtime since 2026-12-07): a lookup stops at an evicted block, and the
+        # planner prefills what is missing under a fresh key (``keys.rebuilt_key``). True: the
+        # rule before, when a lookup still found a block Dask kept as lineage and reading it made
         # Dask run its producer - the whole materialize that made it - again on that worker,
         # unplanned (measured: the prefill events of an ungated row, ``bench.prefill_ledger``).
-        # False: an evicted block is gone, the rule before 2026-12-06.
         self.lineage = {} if lineage else None  # block key -> _Producer of its first run
         self.reruns = 0  # producers run again
         # The runtime's busy_s (plugins/kv_queue) counts a task from its plan on, also while it

@@ -19,8 +19,10 @@ at most ``MAX_STORE_ONLY`` of them): eviction keeps the persisted copy.
 ``lost``: it left memory while still wanted (its worker died); Dask recomputes it.
 ``evicted``: the plugin released it under the byte budget. ``recomputing``: Dask is
 computing it again from lineage. The prefix index holds every block Dask still knows
-(any status but forgotten): a lookup may return a released block, and acquiring it makes
-Dask recompute it from lineage.
+(any status but forgotten), by content address. A lookup stops at a released block: its
+content is made again by a planned prefill under a fresh Dask key (``keys.rebuilt_key``),
+which then takes its place in the index, instead of Dask's unplanned rerun of the whole
+task that first made it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..keys import content_key
 from .blocks import BlockRef
 from .prefix_index import PrefixIndex, PrefixMatch
 
@@ -57,7 +60,7 @@ MAX_EVICTED = 65536  # evicted block keys remembered, newest kept, to count an e
 
 @dataclass(slots=True)
 class BlockEntry:
-    key: str  # content address, also the Dask key
+    key: str  # the Dask key: the content address, or a rebuilt one's (``keys.rebuilt_key``)
     start: int  # first token position
     end: int  # one past the last token position
     nbytes: int  # tensor bytes
@@ -97,7 +100,8 @@ class KVCatalog:
         self.live_holders: dict[str, set[str]] = {}  # block key -> live states listing it
         self.index = PrefixIndex()  # blocks Dask still knows (any status but forgotten)
         self._counters: dict[str | None, dict[str, float]] = {}  # namespace (None: the cluster's) -> counters
-        self._evicted: dict[str, str | None] = {}  # block key -> its namespace, evicted and not back yet
+        # content address -> its namespace, evicted and not back yet (under any Dask key)
+        self._evicted: dict[str, str | None] = {}
 
     # -- blocks ---------------------------------------------------------------------------
     def add_block(self, meta: dict, namespace: str = "") -> BlockEntry:
@@ -135,8 +139,9 @@ class KVCatalog:
         if entry is not None:
             entry.status = status
             if status == "evicted":
-                self._evicted.pop(key, None)
-                self._evicted[key] = entry.namespace
+                content = content_key(key)
+                self._evicted.pop(content, None)
+                self._evicted[content] = entry.namespace
                 if len(self._evicted) > MAX_EVICTED:
                     del self._evicted[next(iter(self._evicted))]
 
@@ -145,8 +150,8 @@ class KVCatalog:
         entry = self.blocks.get(key)
         if entry is None:
             return False
-        if key in self._evicted:  # the budget let it go and it was needed again
-            self.count("evictions_regretted", namespace=self._evicted.pop(key))
+        if content_key(key) in self._evicted:  # the budget let it go and it was needed again
+            self.count("evictions_regretted", namespace=self._evicted.pop(content_key(key)))
         again = entry.computed
         if again:
             entry.recomputes += 1
@@ -177,6 +182,10 @@ class KVCatalog:
         only ``namespace``'s blocks count (None: every namespace, for an admin)."""
         allowed = None if namespace is None else (lambda b: self.blocks[b.key].namespace == namespace)
         return self.index.match(root, keys, tokens, block_size, allowed)
+
+    def current_key(self, content: str) -> str:
+        """The Dask key the content address ``content`` is indexed under (itself when not indexed)."""
+        return self.index.current(content_key(content)) or content
 
     def namespace_of(self, key: str) -> str | None:
         entry = self.blocks.get(key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..keys import content_key
 from .blocks import common_prefix_len
 from ..validation import token_ids
 from ..errors import ContextTooLongError, IncompatibleStateError, MergeError
@@ -64,8 +65,8 @@ def check_concat(a: KVState, b: KVState) -> None:
             [f"divergent: they differ at position {p}; {b.state_id} was not computed on top of {a.state_id}"],
         )
     full = [blk for blk in a.blocks if blk.is_full(a.block_size)]
-    b_keys = set(b.block_keys)
-    if any(blk.key not in b_keys for blk in full):
+    b_keys = {content_key(k) for k in b.block_keys}  # a block made again has a fresh Dask key
+    if any(content_key(blk.key) not in b_keys for blk in full):
         raise MergeError(f"cannot concatenate {a.state_id} and {b.state_id}", ["block chains differ"])
     if not (a.ancestors() & b.ancestors()):
         raise MergeError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..keys import content_key
 from .blocks import BlockRef, aligned_floor, chain_keys, common_prefix_len
 
 
@@ -40,30 +41,47 @@ class PrefixIndex:
     """Which blocks exist, keyed by content and by parent, for prefix lookups."""
 
     def __init__(self) -> None:
-        self._by_key: dict[str, BlockRef] = {}  # key -> block
-        self._parent: dict[str, str] = {}  # key -> parent key (a root for a first block)
-        self._children: dict[str, dict[str, BlockRef]] = {}  # parent key -> its blocks
+        # Keyed by content address (``keys.content_key``); each block carries its Dask key.
+        self._by_key: dict[str, BlockRef] = {}  # content -> block
+        self._parent: dict[str, str] = {}  # content -> parent's content (a root for a first block)
+        self._children: dict[str, dict[str, BlockRef]] = {}  # parent's content -> its blocks
 
     def add(self, block: BlockRef, parent_key: str | None, fingerprint_digest: str) -> None:
-        if block.key in self._by_key:
-            return
+        """Index ``block`` under its content address (``parent_key``: its parent's content
+        address). A block rebuilt under a fresh Dask key takes the place of the one Dask let go."""
+        content = content_key(block.key)
+        held = self._by_key.get(content)
+        if held is not None:
+            if held.key == block.key:
+                return
+            self.remove(held.key)
         parent_key = parent_key or _root(fingerprint_digest)
-        self._by_key[block.key] = block
-        self._parent[block.key] = parent_key
-        self._children.setdefault(parent_key, {})[block.key] = block
+        self._by_key[content] = block
+        self._parent[content] = parent_key
+        self._children.setdefault(parent_key, {})[content] = block
 
     def remove(self, key: str) -> None:
-        block = self._by_key.pop(key, None)
-        if block is None:
+        """Drop Dask key ``key``; a newer key of the same content stays."""
+        content = content_key(key)
+        block = self._by_key.get(content)
+        if block is None or block.key != key:
             return
-        parent = self._parent.pop(key)
+        del self._by_key[content]
+        parent = self._parent.pop(content)
         siblings = self._children.get(parent, {})
-        siblings.pop(key, None)
+        siblings.pop(content, None)
         if not siblings:
             self._children.pop(parent, None)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._by_key
+        """``key`` is the Dask key its content is indexed under."""
+        block = self._by_key.get(content_key(key))
+        return block is not None and block.key == key
+
+    def current(self, content: str) -> str | None:
+        """The Dask key a content address is indexed under now (None: not indexed)."""
+        block = self._by_key.get(content)
+        return None if block is None else block.key
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -86,7 +104,7 @@ class PrefixIndex:
             if block is None or (allowed is not None and not allowed(block)):
                 break
             blocks.append(block)
-            parent = key
+            parent = key  # the content address: children hang under it
         pos = len(blocks) * block_size
         best, best_len = None, 0
         for child in self._children.get(parent or _root(key_digest), {}).values():

@@ -157,7 +157,7 @@ async def test_a_lease_keeps_a_looked_up_block_until_it_expires(c, s, a, b):
     await until(lambda: wanted_only_by_cache(s, key), what="the client's release")
 
     t0 = time.time()
-    assert await c.scheduler.kv_acquire(session=token, keys=[key]) == {key: "memory"}
+    assert await c.scheduler.kv_acquire(session=token, keys=[key]) == {key: key}  # content -> its Dask key
     held = di.hold_futures(c, [key])  # acquired for this client: its futures, let go of at once
     del held
     await until(lambda: wanted_only_by_cache(s, key), what="the client's release of the acquired block")
@@ -212,7 +212,7 @@ async def test_a_block_announced_for_reuse_is_evicted_after_the_others_until_it_
     plugin.leases.plan([keys["old"]], time.time())  # what kv_release_state(reuse_expected=True) does
     await c.scheduler.kv_configure(session=token, kv_budget_bytes=400)
     assert [e["key"] for e in events(plugin, "evict")] == [keys["new"]]  # the older one was announced
-    assert await c.scheduler.kv_acquire(session=token, keys=[keys["old"]]) == {keys["old"]: "memory"}
+    assert await c.scheduler.kv_acquire(session=token, keys=[keys["old"]]) == {keys["old"]: keys["old"]}
     assert not plugin.leases.is_planned(keys["old"], time.time())  # read: the lease takes over
 
 
