@@ -195,7 +195,7 @@ class ClientHandlers:
             key = self._catalog.current_key(content)
             if held(self._scheduler.tasks.get(key)) and self._own(key, s):
                 current[content] = key
-            elif key in self._scheduler.tasks or content in self._scheduler.tasks:
+            elif key in self._scheduler.tasks or content in self._scheduler.tasks:  # its key is taken
                 stale[content] = ""
         self._leases.acquire(list(current.values()), s.client, _run(s, flow))  # held: all taken
         return {**stale, **current}

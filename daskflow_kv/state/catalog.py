@@ -150,8 +150,9 @@ class KVCatalog:
         entry = self.blocks.get(key)
         if entry is None:
             return False
-        if content_key(key) in self._evicted:  # the budget let it go and it was needed again
-            self.count("evictions_regretted", namespace=self._evicted.pop(content_key(key)))
+        content = content_key(key)  # a rebuild under a fresh key makes good the same eviction
+        if content in self._evicted:  # the budget let it go and it was needed again
+            self.count("evictions_regretted", namespace=self._evicted.pop(content))
         again = entry.computed
         if again:
             entry.recomputes += 1
