@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "chaos.json")
     args = ap.parse_args(argv)
 
+    import dask
     from distributed import Client
 
     from daskflow_kv.runtime.cluster import local_cluster
@@ -43,7 +44,10 @@ def main(argv=None) -> int:
             Client(cluster) as c0, Client(cluster, set_as_default=False) as c1:
         runtimes = [KVRuntime(c, args.model, block_size=16) for c in (c0, c1)]
         out = run_chaos(cluster, [c0, c1], runtimes, cfg, log=log)
-    doc = {"command": command_line(), "machine": machine_info(), "model": args.model, "workers": args.workers, **out}
+    # The budget and the gate come from Dask's config (DASK_DASKFLOW_KV__KV_BUDGET=256KiB ...): say which ran.
+    settings = {k: dask.config.get(f"daskflow-kv.{k}", None) for k in ("kv-budget", "scheduler.workflow-gate")}
+    doc = {"command": command_line(), "machine": machine_info(), "model": args.model, "workers": args.workers,
+           "settings": settings, **out}
     write_json(args.out, doc)
     log(f"wrote {args.out}: {out['completed']}/{out['workflows']} completed, {out['wrong']} wrong, "
         f"{out['lost']} lost, {out['hung']} hung, {len(out['kills'])} kills")

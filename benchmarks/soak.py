@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-minutes", type=float, default=5.0)
     ap.add_argument("--hang-s", type=float, default=300.0,
                     help="a workflow still running this long after the stream's end counts as hung")
+    ap.add_argument("--budget-workflows", type=float, default=None,
+                    help="KV budget per worker in workflows' KV (default: room for what is in flight)")
     ap.add_argument("--scheduler-in-process", action="store_true",
                     help="the scheduler in this process, with the clients (its memory then not told apart)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     from daskflow_kv.runtime.cluster import local_cluster
 
     cfg = SoakConfig(minutes=args.minutes, concurrency=args.concurrency, warmup_minutes=args.warmup_minutes,
-                     hang_s=args.hang_s)
+                     hang_s=args.hang_s, budget_workflows=args.budget_workflows)
     with tempfile.TemporaryDirectory(prefix="kv-store-") as store:
         if args.scheduler_in_process:
             with local_cluster(WORKERS, 1, dashboard_address=None) as cluster:

@@ -21,6 +21,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 # scenario -> (its JSON in benchmarks/results, what it is)
 SCENARIOS = {
     "chaos during a stream": ("chaos.json", "benchmarks/chaos.py"),
+    "chaos under a KV budget far below what is in flight": ("chaos_budget_256k_kills_unpinned_r1.json",
+                                                            "benchmarks/chaos.py"),
     "soak": ("soak.json", "benchmarks/soak.py"),
     "a client lost": ("client_lost.json", "benchmarks/client_lost.py"),
     "the scheduler lost": ("scheduler_lost.json", "benchmarks/scheduler_lost.py"),
@@ -30,11 +32,13 @@ SCENARIOS = {
 
 def _chaos_row(d: dict) -> list[str]:
     cfg = d["config"]
+    budget = d.get("settings", {}).get("kv-budget")
     load = (f"2 clients x {cfg['workflows']} workflows ({cfg['concurrency']} at a time each), "
-            f"{d['workers']} workers, {d['model']}")
+            f"{d['workers']} workers, {d['model']}" + (f", KV budget {budget} per worker" if budget else ""))
     faults = f"{len(d['kills'])} SIGKILLs, one every {cfg['kill_every'][0]:g}-{cfg['kill_every'][1]:g} s"
     before, after = d.get("latency_median_s_before_first_kill"), d.get("latency_median_s_after_first_kill")
-    cost = f"median {before:.2f} s -> {after:.2f} s" if before and after else "-"
+    cost = (f"median {before:.2f} s -> {after:.2f} s" if before and after
+            else f"median {after:.2f} s (kills from the start)" if after else "-")
     return [load, faults, f"{d['lost']} / {d['wrong']} / {d['hung']} of {d['workflows']}",
             f"{d['counters_delta'].get('lineage_recomputes', 0)} blocks", cost]
 
@@ -101,6 +105,13 @@ def _scheduler_lost_row(d: dict) -> list[str]:
             f"{len(failures)} calls failed within {slowest:.2f} s of the kill, {named} naming the scheduler"]
 
 
+def _command(d: dict, script: str) -> str:
+    """The run's command, with the Dask settings it ran under set as it set them (environment)."""
+    env = [f"DASK_DASKFLOW_KV__{k.upper().replace('-', '_').replace('.', '__')}={v}"
+           for k, v in d.get("settings", {}).items() if v is not None]
+    return " ".join([*env, d.get("command", script)])
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     lines = ["| scenario | load held | faults injected | lost / wrong / hung | KV recomputed | latency | source |",
              "|---|---|---|---|---|---|---|"]
@@ -110,11 +121,11 @@ def render(results: Path = RESULTS_DIR) -> str:
             lines.append(f"| {name} | not run | | | | | |")
             continue
         d = json.loads(path.read_text())
-        rows = {"chaos.json": _chaos_row, "client_lost.json": _client_lost_row,
-                "scheduler_lost.json": _scheduler_lost_row, "soak.json": _soak_row,
-                "memory_pressure.json": _memory_pressure_row}
-        cells = rows[file](d) if file in rows else ["see JSON"] * 5
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | `{d.get('command', script)}` → `{file}` |")
+        rows = {"chaos": _chaos_row, "client_lost": _client_lost_row, "scheduler_lost": _scheduler_lost_row,
+                "soak": _soak_row, "memory_pressure": _memory_pressure_row}
+        row = next((f for stem, f in rows.items() if file.startswith(stem)), None)
+        cells = row(d) if row else ["see JSON"] * 5
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | `{_command(d, script)}` → `{file}` |")
     return "\n".join(lines)
 
 

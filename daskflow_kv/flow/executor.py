@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import validation
 from ..errors import KVPreempted
+from ..runtime.plugin_client import gather
 from ..runtime.workflow_gate import admitted, wait_turn
 from ..runtime.workflow_run import new_run_name, workflow_run
 from . import html_repr
@@ -143,8 +144,7 @@ def _run_text_levels(cw: CompiledWorkflow, rt, progress) -> WorkflowResult:
             for i, n in enumerate(names)
         }
         level_tokens.append(sum(len(p) for p in prompts.values()))
-        for n, fut in futures.items():
-            res = fut.result()
+        for n, res in zip(futures, gather(rt.client, list(futures.values()))):
             m = _metrics(res)
             outputs[n] = rt.decode(res.generated)
             results[n] = AgentResult(

@@ -10,7 +10,7 @@ lookup answers a ``PrefixMatch``, a snapshot a ``ClusterView``. No other module 
 
 from __future__ import annotations
 
-import traceback
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ from distributed import Client
 from distributed.client import FutureCancelledError
 from distributed.comm.core import CommClosedError
 
-from ..errors import ClientClosed, KVBudgetError, SchedulerLost
+from ..errors import ClientClosed, SchedulerLost
 
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
@@ -36,25 +36,48 @@ def scheduler_lost(client: Client, cause: str) -> SchedulerLost:
 
 
 def gather(client: Client, futures: list):
-    """``client.gather``, where futures Dask cancelled because it lost the scheduler are
-    ``SchedulerLost`` naming it (Dask's own error names neither the scheduler nor the cause)."""
+    """``client.gather``, raising a copy of a task's error, not the object Dask keeps, and
+    with futures Dask cancelled because it lost the scheduler as ``SchedulerLost`` naming it
+    (Dask's own error names neither the scheduler nor the cause)."""
     try:
         return client.gather(futures)
     except BaseException as e:
-        # Dask's sync frames keep the error they re-raise: a reference cycle through every frame
-        # of the traceback, whose futures would stay wanted (their blocks pinned against the KV
-        # budget) until the garbage collector's next full pass. Those frames are done: clear them.
-        traceback.clear_frames(e.__traceback__)
-        if isinstance(e, KVBudgetError):
-            # Dask keeps the task's error in its future and re-raises that very object: each
-            # frame it passes on its way up joins its traceback, so the futures in those frames
-            # keep themselves alive through it (a cycle only a full garbage collection breaks;
-            # a preempted workflow's lookups stayed pinned, and its room never came free). A
-            # budget error carries all it says in its message: raise a copy of our own.
-            raise type(e)(*e.args) from None
-        if not (isinstance(e, FutureCancelledError) and e.reason == LOST_REASON):
-            raise
-        raise scheduler_lost(client, "the client lost its connection; Dask cancelled the work in flight") from e
+        err = _detached(e, futures)
+        try:
+            if not (isinstance(e, FutureCancelledError) and e.reason == LOST_REASON):
+                raise err from None
+            raise scheduler_lost(client, "the client lost its connection; Dask cancelled the work in flight") from err
+        finally:
+            err = None  # this frame joins err's traceback: err held here would be a cycle
+
+
+def _detached(e: BaseException, futures: list) -> BaseException:
+    """A copy of ``e`` with its task's traceback, ``e`` left holding no frame of ours.
+
+    Dask keeps a task's error in the future's state, held by the client for as long as a
+    future of that key lives, and re-raises that very object: each frame it passes on its
+    way up joins its traceback, and each frame's futures then keep the error's state
+    alive - a cycle rooted in the client, so not even a full garbage collection frees it.
+    A preempted workflow's lookups and inputs stayed wanted for good: in the 256 KiB chaos
+    runs the last workflow waited for room that dead frames of two clients pinned
+    (docs/reliability.md). The copy carries the frames instead, and goes with them."""
+    remote = _task_traceback(e, futures)
+    e.__traceback__ = e.__context__ = None
+    try:
+        err = copy.copy(e)  # the same type, arguments and attributes
+    except Exception:  # noqa: BLE001 -- an error whose constructor takes other arguments: raise it as it is
+        return e
+    return err.with_traceback(remote)
+
+
+def _task_traceback(e: BaseException, futures: list):
+    """The failed task's own frames, as Dask rebuilt them from the worker (they hold nothing
+    of ours), or None when ``e`` is no task's error."""
+    try:
+        return next((f.traceback() for f in futures if getattr(f, "status", None) == "error" and f.exception() is e),
+                    None)
+    except Exception:  # noqa: BLE001 -- a client closing meanwhile: the copy goes without them
+        return None
 
 
 def _run_kw() -> dict:

@@ -25,6 +25,7 @@ from ..state.blocks import chain_keys
 from ..store import worker_io as store_io
 from .kv_persistence import PersistentTier
 from .planner import Planner
+from .plugin_client import gather
 from .prefix_cache import HeldPrefix
 from .publish import NewBlocks, Publisher, blocks_of
 from .submit import Submitter
@@ -89,8 +90,9 @@ class StoreReader:
         keys = [k for k, _, _ in spans]
         out = self.submitter.load_from_store(self.tier.store.url, self.tier.tenant, keys, sid, target,
                                              decision.as_dict(), decision.nbytes)
-        summary = self.client.submit(store_io.load_summary, out, workers=[target] if target else None,
-                                     allow_other_workers=True, pure=False).result()
+        summarized = self.client.submit(store_io.load_summary, out, workers=[target] if target else None,
+                                        allow_other_workers=True, pure=False)
+        [summary] = gather(self.client, [summarized])  # a preempted load leaves no lease of this frame pinned
         if summary["blocks"]:
             self.tier.record_load(summary["nbytes"], summary["seconds"])
         if summary["stopped"] == "corrupt":
