@@ -10,8 +10,10 @@ own, which the collector frees; the one fixed here it could not).
 
 from __future__ import annotations
 
+import ast
 import gc
 import traceback
+from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
@@ -70,3 +72,24 @@ def test_without_the_copy_dask_keeps_the_frames(client):
         resume_like()
     gc.collect()
     assert not wait_until(lambda: "lease-control" not in client.futures, timeout=1)
+
+
+# Waits on Dask futures in the runtime and the executor that do not go through ``gather``.
+# Where a thread pool's or the step engine's own futures are waited on, that is no Dask future.
+NOT_DASK = {"runtime/step_worker.py", "runtime/torch_threads.py"}
+
+
+def test_every_wait_on_a_dask_future_goes_through_gather():
+    pkg = Path(__file__).resolve().parent.parent / "daskflow_kv"
+    bad = []
+    for path in sorted([*(pkg / "runtime").glob("*.py"), *(pkg / "flow").glob("*.py")]):
+        rel = path.relative_to(pkg).as_posix()
+        if rel in NOT_DASK:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name, owner = node.func.attr, node.func.value
+                if name == "result" or (name == "gather" and not (isinstance(owner, ast.Name) and owner.id == "client"
+                                                                  and rel == "runtime/plugin_client.py")):
+                    bad.append(f"{rel}:{node.lineno} .{name}()")
+    assert bad == [], "wait through plugin_client.gather: " + ", ".join(bad)

@@ -117,7 +117,8 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
         try:
             res = _run(runtimes[a.client], flows[a.index], "state")
             return {"index": a.index, "client": a.client, "start_s": start - t0, "latency_s": time.time() - start,
-                    "agree": _tokens(res) == ref[a.index], "preemptions": res.preemptions}
+                    "agree": _tokens(res) == ref[a.index], "preemptions": res.preemptions,
+                    "killed_worker_redos": res.killed_worker_redos}
         except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
             return {"index": a.index, "client": a.client, "start_s": start - t0, "latency_s": time.time() - start,
                     "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -230,6 +231,7 @@ def summarize(records: list[dict], kills: list[dict], before: dict, after: dict,
         "kills": kills, "wall_s": wall,
         "latency_median_s_before_first_kill": med(calm), "latency_median_s_after_first_kill": med(storm),
         "preemptions": sum(r.get("preemptions", 0) for r in ok),
+        "killed_worker_redos": sum(r.get("killed_worker_redos", 0) for r in ok),
         "counters_delta": delta,
         "errors": sorted({r["error"] for r in records if "error" in r})[:10],
         "records": sorted(records, key=lambda r: r["index"]),

@@ -21,7 +21,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 # scenario -> (its JSON in benchmarks/results, what it is)
 SCENARIOS = {
     "chaos during a stream": ("chaos.json", "benchmarks/chaos.py"),
-    "chaos under a KV budget far below what is in flight": ("chaos_budget_256k_kills_unpinned_r1.json",
+    "chaos under a KV budget far below what is in flight": ("chaos_budget_256k_kills_redo_r1.json",
                                                             "benchmarks/chaos.py"),
     "soak": ("soak.json", "benchmarks/soak.py"),
     "a client lost": ("client_lost.json", "benchmarks/client_lost.py"),

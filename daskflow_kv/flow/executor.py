@@ -17,6 +17,8 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
+from distributed import KilledWorker
+
 from .. import validation
 from ..errors import KVPreempted
 from ..runtime.plugin_client import gather
@@ -32,6 +34,12 @@ from .spec import WorkflowSpec
 # hold the workflow should build, short enough that a workflow that never gets in says so.
 MAX_PREEMPTIONS = 30
 BACKOFF_S = (0.1, 5.0)  # first and longest wait before a preempted level is redone (doubling, jittered)
+# Dask fails a task once more than ``allowed-failures`` workers died while it was assigned to
+# them, queued there or running (KilledWorker): its guard against a task that kills workers.
+# A KV task is pinned to its planned worker and queues there behind others, so under workers
+# dying from outside it is blamed for deaths it did not cause. A level so failed is redone
+# under new keys (a fresh count) this often; a task that really kills its workers still fails.
+MAX_KILLED_WORKER_REDOS = 2
 
 _RUNTIME_POLICY = {"auto": "auto", "fork": "auto", "evict": "auto", "alias": "pin", "pin": "pin",
                    "transfer": "transfer", "recompute": "recompute"}
@@ -72,6 +80,7 @@ class WorkflowResult:
     # every prefill the run made: {"level", "op" (materialize | resume | recompute), "worker", "tokens"}
     prefills: list[dict] = field(default_factory=list)
     preemptions: int = 0  # levels redone because the budget preempted them to break a deadlock
+    killed_worker_redos: int = 0  # levels redone because Dask gave up on a task whose workers died
     gate_wait_s: float = 0.0  # s in the workflow gate's line before it started (wall_s and TTFTs count after)
 
     @property
@@ -90,6 +99,7 @@ class WorkflowResult:
             "agents": {n: asdict(a) for n, a in self.agents.items()},
             "lineage": self.lineage,
             "preemptions": self.preemptions,
+            "killed_worker_redos": self.killed_worker_redos,
             "gate_wait_s": self.gate_wait_s,
         }
 
@@ -178,7 +188,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
     lineage: dict[str, list[dict]] = {}
     states = {}
     followed = {a.follows for a in wf.agents.values() if a.follows}
-    level_tokens, prefills, preemptions = [], [], 0
+    level_tokens, prefills, preemptions, redos = [], [], 0, 0
     t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         if progress:
@@ -194,7 +204,11 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
             except KVPreempted:  # the budget's deadlock breaker chose this workflow: back off, redo the level
                 if attempt + 1 >= MAX_PREEMPTIONS:
                     raise
-            preemptions += 1
+                preemptions += 1
+            except KilledWorker:  # its workers died under it (see MAX_KILLED_WORKER_REDOS): redo the level
+                if redos >= MAX_KILLED_WORKER_REDOS:
+                    raise
+                redos += 1
             # Hold nothing while backing off (outside the handler: the error and its frames are
             # gone): the continuations kept for later levels go to the cache too, evicted last;
             # what is evicted meanwhile is prefilled again.
@@ -239,7 +253,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
                 rt.release(gen.state)
         level_tokens.append(computed)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
-                            prefills=prefills, preemptions=preemptions)
+                            prefills=prefills, preemptions=preemptions, killed_worker_redos=redos)
     result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
     for st in states.values():
         rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
@@ -250,7 +264,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
 def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel):
     """One level in state mode: per prefix group a materialize and a fork, then the agents'
     resumes. -> (tokens computed, prefills, [(name, branch, generation, planned_at)]).
-    A ``KVPreempted`` leaves nothing of the attempt live: its states are released."""
+    A ``KVPreempted`` or ``KilledWorker`` leaves nothing of the attempt live: its states are released."""
     computed, prefills, made, done = 0, [], [], []
     buckets: dict[tuple, list] = {}
     try:
@@ -280,7 +294,7 @@ def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel
             for (name, branch, _), gen in zip(reqs, gens):
                 done.append((name, branch, gen, planned_at))
                 made.append(gen.state)
-    except KVPreempted:
+    except (KVPreempted, KilledWorker):
         for st in made:
             rt.release(st)
         raise

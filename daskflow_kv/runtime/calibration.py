@@ -33,7 +33,7 @@ from ..dask_internals import incoming_transfers, worker_addresses
 from ..policy.cost_model import LinkProfile, calibration_lengths, fit_link
 from . import tasks
 from .kv_persistence import PersistentTier
-from .plugin_client import PluginClient
+from .plugin_client import PluginClient, gather
 
 
 logger = logging.getLogger("daskflow_kv.calibration")
@@ -77,7 +77,7 @@ def timed_transfer(client, src: str, dst: str, nbytes: int, device: str = "cpu")
     settle(client, [payload], [src])
     reader = client.submit(tasks.touch, payload, workers=[dst], allow_other_workers=False, pure=False)
     settle(client, [reader], [src, dst])
-    reader.result()
+    gather(client, [reader])
     rec = client.run(_transfer_record, key=payload.key, workers=[dst])[dst]
     del payload, reader
     if rec is None:
@@ -145,8 +145,7 @@ def measure_prefill(client, spec: tasks.ModelSpec, facts: tasks.ModelFacts, work
         live = [w for w in workers if w not in lost]
         done = _on_each(client, tasks.prefill, (spec, req), live, "prefill probe")
         lost += [w for w in live if w not in done]
-        for f in done.values():
-            f.result()  # a failed probe says so here
+        gather(client, list(done.values()))  # a failed probe says so here
     return lost
 
 

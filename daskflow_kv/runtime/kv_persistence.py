@@ -27,6 +27,7 @@ from ..policy.store_read import StoreDecision, StoreProfile, StoreSample, explai
 from ..store import worker_io as store_io
 from ..store.kv_store import open_store
 from ..store.tenant import StoreTenant
+from .plugin_client import gather
 from .prefix_cache import HeldPrefix
 
 WRITE_OPS = ("materialize", "extend", "merge")  # states whose blocks "materialize-only" writes
@@ -117,8 +118,8 @@ class PersistentTier:
         """Write and read back one probe object from a worker; feeds ``profile``."""
         nbytes = validation.setting("store.probe-bytes", probe_bytes, "probe_bytes", validation.byte_size)
         workers = worker_addresses(self.client)
-        samples = self.client.submit(store_io.probe, self.store.url, nbytes, self.tenant, workers=workers[:1],
-                                     pure=False).result()
+        [samples] = gather(self.client, [self.client.submit(store_io.probe, self.store.url, nbytes, self.tenant,
+                                                            workers=workers[:1], pure=False)])
         self.samples.extend(StoreSample(n, s) for n, s in samples)
         p = self.profile()
         return {"bandwidth": p.bandwidth, "latency": p.latency, "samples": len(self.samples)}

@@ -35,7 +35,7 @@ from ..store.tenant import StoreTenant
 from .kv_persistence import PersistentTier, store_settings
 from .materialize import Materializer
 from .planner import Planner
-from .plugin_client import PluginClient
+from .plugin_client import PluginClient, gather
 from .prefix_cache import PrefixCache
 from .publish import Publisher
 from .registry import StateRegistry
@@ -95,7 +95,7 @@ class KVRuntime:
         self.plugin = PluginClient.login(client, self.spec.namespace, secret)
         if kv_budget_bytes is not None or memory_weight is not None:  # explicit arguments win over config
             self.configure(kv_budget_bytes=config.get_bytes("kv-budget", kv_budget_bytes), memory_weight=memory_weight)
-        self.facts = client.submit(tasks.model_facts, self.spec, pure=False).result()
+        [self.facts] = gather(client, [client.submit(tasks.model_facts, self.spec, pure=False)])
         self.key_digest = keyed_digest(self.facts.fingerprint.digest, config.get("secret", secret))
         self.codec = TextCodec(load_tokenizer(model))
         # The parts, each given what it uses.
