@@ -1,6 +1,6 @@
 """Exp 7's daskflow-kv rows before and after a runtime change, read side by side by gate.
 
-Made for the rebuild of evicted blocks (2026-12-07: a block Dask keeps only as released
+Made for the rebuild of evicted blocks (2026-12-06: a block Dask keeps only as released
 lineage is prefilled again, planned, under a fresh key, where Dask used to rerun the whole
 task that first made it). The two commits ran alternated on one host, so the host's drift
 falls on both. Per run and workflow gate: throughput, p95 latency, the prompt tokens its

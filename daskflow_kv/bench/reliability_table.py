@@ -112,6 +112,11 @@ def _command(d: dict, script: str) -> str:
     return " ".join([*env, d.get("command", script)])
 
 
+# a scenario JSON's name starts with its scenario's kind -> how that kind's row reads
+ROWS = {"chaos": _chaos_row, "client_lost": _client_lost_row, "scheduler_lost": _scheduler_lost_row,
+        "soak": _soak_row, "memory_pressure": _memory_pressure_row}
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     lines = ["| scenario | load held | faults injected | lost / wrong / hung | KV recomputed | latency | source |",
              "|---|---|---|---|---|---|---|"]
@@ -121,9 +126,7 @@ def render(results: Path = RESULTS_DIR) -> str:
             lines.append(f"| {name} | not run | | | | | |")
             continue
         d = json.loads(path.read_text())
-        rows = {"chaos": _chaos_row, "client_lost": _client_lost_row, "scheduler_lost": _scheduler_lost_row,
-                "soak": _soak_row, "memory_pressure": _memory_pressure_row}
-        row = next((f for stem, f in rows.items() if file.startswith(stem)), None)
+        row = next((f for stem, f in ROWS.items() if file.startswith(stem)), None)
         cells = row(d) if row else ["see JSON"] * 5
         lines.append(f"| {name} | " + " | ".join(cells) + f" | `{_command(d, script)}` → `{file}` |")
     return "\n".join(lines)
