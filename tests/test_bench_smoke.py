@@ -271,17 +271,22 @@ def test_plan_reads_a_config_json_and_prints_modeled(tmp_path, capsys):
     assert doc["label"] == "MODELED" and [r["context"] for r in doc["rows"]] == [1024, 131072]
 
 
-def test_store_ttft_harness_quick(tmp_path):
-    """benchmarks/store_ttft.py --quick: cold on one cluster, warm from the store on a new one;
-    its guards (context prefilled once, read back whole, tokens equal) must hold."""
+def _benchmark(name: str):
+    """A script of benchmarks/ imported as a module (registered, so what it pickles resolves)."""
     import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "store_ttft", Path(__file__).resolve().parents[1] / "benchmarks" / "store_ttft.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["store_ttft"] = mod  # worker processes unpickle nothing from it, but be tidy
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_store_ttft_harness_quick(tmp_path):
+    """benchmarks/store_ttft.py --quick: cold on one cluster, warm from the store on a new one;
+    its guards (context prefilled once, read back whole, tokens equal) must hold."""
+    mod = _benchmark("store_ttft")
     out = tmp_path / "store_ttft.json"
     assert mod.main(["--quick", "--lengths", "128", "--store-root", str(tmp_path), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -294,16 +299,9 @@ def test_store_ttft_harness_quick(tmp_path):
 
 def test_step_cost_harness_quick(tmp_path):
     """benchmarks/step_cost.py --quick --no-pair: a real step loop's recorded steps, fitted."""
-    import sys
-    from pathlib import Path
-
     from daskflow_kv.sim.profile import preset_profile
 
-    spec = importlib.util.spec_from_file_location(
-        "step_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "step_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["step_cost"] = mod
-    spec.loader.exec_module(mod)
+    mod = _benchmark("step_cost")
     out = tmp_path / "step_cost.json"
     assert mod.main(["--model", "tiny-llama", "--quick", "--no-pair", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -316,6 +314,19 @@ def test_step_cost_harness_quick(tmp_path):
     assert preset_profile("a100-ib200").with_step_costs(out).step_costs[0].samples == len(steps)
     assert not (tmp_path / ".step_cost_tmp").exists()
 
+
+
+def test_sim_whatif_sweeps_the_gate_and_the_workload_shape_quick(tmp_path):
+    """benchmarks/sim_whatif.py on 2 workers, one draw: every point simulated, each system's best gate named."""
+    mod = _benchmark("sim_whatif")
+    out = tmp_path / "whatif"
+    assert mod.main(["--workers", "2", "--seeds", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["label"] == "MODELED" and len(doc["gate_sweep"]) == len(mod.GATES) * len(mod.RATES)
+    assert {b["best"]["local"] for b in doc["best_gates"]} <= set(mod.GATES)
+    assert [(p["context"], p["max_new"]) for p in doc["shape_sweep"]][:len(mod.CONTEXTS)] == [(c, 16) for c in mod.CONTEXTS]
+    assert all(p["ratio"]["throughput_ratio"] > 0 for p in doc["gate_sweep"] + doc["shape_sweep"])
+    assert "MODELED" in out.with_suffix(".md").read_text()
 
 
 def _exp7_run(system, by_op, by_worker, transfers=None, repeat=0):

@@ -38,7 +38,7 @@ def lines(doc: dict) -> list[str]:
     steps = ("steps priced by what this run's workers measured, each row by a fit on the others"
              if modeled["steps_in_place"] else
              "no step shapes recorded, so a step costs its prefill and decode terms added up, which a Dask "
-             "worker's steps exceed (docs/simulation.md, 2026-12-03)")
+             "worker's steps exceed (docs/simulation_log.md, 2026-12-03)")
     out += ["Each exp 7 row replayed by `daskflow_kv.sim` on this run's own fitted profile (docs/simulation.md): "
             f"{modeled['profile']}; {steps}. Error: (MODELED - measured) / measured.", "",
             "| system | stream | rep | " + " | ".join(f"{n} measured / MODELED (error)" for _, n, _ in METRICS) + " |",

@@ -15,6 +15,7 @@ hardware preset from public figures). One concept per file:
 ``report``     runs, metrics, the fidelity check and the JSON / markdown tables;
 ``repeatability`` two measurements of the same exp 7 rows side by side (the check's noise floor);
 ``ensemble``   each row replayed many times with measured step scatter, against every measurement of it;
+``whatif``     a knob swept at one grid point, each system at its own best setting;
 ``plot``       the grid's figure (daskflow-kv / local throughput against workers).
 
 Nothing here imports torch or distributed; exp 7's generator (``bench.load_stream``) is

@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--per-worker", type=int, default=20, help="workflows per worker (capped at 10,240)")
     p.add_argument("--rate-per-worker", type=float, default=18.0,
                    help="workflows/min offered per worker (default %(default)s: exp 7's 36/min on 2 workers)")
+    p.add_argument("--context", type=int, default=1024, metavar="TOKENS",
+                   help="each document's tokens in the grid's streams (default %(default)s: exp 7's); the budget "
+                        "scales with it, so a worker still holds about one document")
+    p.add_argument("--max-new", type=int, default=16, metavar="TOKENS",
+                   help="tokens each agent decodes in the grid's streams (default %(default)s: exp 7's)")
     p.add_argument("--workflow-gate", type=float, metavar="N",
                    help="the workflow gate (daskflow-kv.scheduler.workflow-gate): at most N running workflows per "
                         "worker, the rest wait in line, for every system (default: none)")
@@ -90,6 +95,9 @@ def main(argv=None) -> int:
         parser.error("--draws-against needs --draws")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: give 1 or more draws per grid point")
+    for flag, value in (("--context", args.context), ("--max-new", args.max_new)):
+        if value < 1:
+            parser.error(f"{flag} {value}: give 1 or more tokens")
     if args.workflow_gate is not None and not 0 < args.workflow_gate < math.inf:
         parser.error(f"--workflow-gate {args.workflow_gate}: give running workflows per worker, more than 0")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -104,7 +112,8 @@ def main(argv=None) -> int:
         return 0
     t0 = time.perf_counter()
     grid = simulate_grid(profile, args.workers, args.systems, args.streams, per_worker=args.per_worker,
-                         rate_per_worker=args.rate_per_worker, gate=args.workflow_gate,
+                         rate_per_worker=args.rate_per_worker, context=args.context, max_new=args.max_new,
+                         gate=args.workflow_gate,
                          lineage=args.lineage_reruns, seeds=args.seeds,
                          progress=lambda r: say(f"{r['workers']:>4} workers {r['stream']:<12} "
                                                 + (f"draw {r['seed']} " if r.get("seed") else "") + f"{r['system']:<12} "

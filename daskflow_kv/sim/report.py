@@ -266,7 +266,8 @@ def simulate_grid(profile, workers=(2, 8, 32, 128, 512), systems=("daskflow-kv",
                 for system in systems:
                     kw = {"lineage": lineage} if system == "daskflow-kv" else {}
                     row = run_system(system, profile, wfs, n_workers, budget, gate=gate, **kw)
-                    row.update(stream=kind, docs=docs, rate_per_min=rate, gate_per_worker=gate, seed=seed)
+                    row.update(stream=kind, docs=docs, context=context, max_new=max_new, rate_per_min=rate,
+                               gate_per_worker=gate, seed=seed)
                     if kw:
                         row["lineage_reruns_modeled"] = lineage
                     rows.append(row)
