@@ -19,6 +19,8 @@ from daskflow_kv.sim import blocks, report, systems, worker
 from daskflow_kv.sim.decode import DecodeProfile
 from daskflow_kv.sim.profile import PRESETS, fitted_profile, host_slowdown, preset_profile, step_seconds
 from daskflow_kv.sim.report import exp7_budget, fidelity, host_load, run_system
+from daskflow_kv.sim.systems.base import _Flow
+from daskflow_kv.sim.systems.daskflow import _Producer
 from daskflow_kv.sim.workload import exp7_stream, read_trace, write_trace
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "bench_full.json"
@@ -35,9 +37,11 @@ def stream():
 
 
 def test_the_policies_are_imported_not_copied():
-    assert systems.plan_placements is placement.plan_placements
-    assert systems.admit is admission.admit
-    assert systems.batch_seconds is placement.batch_seconds
+    from daskflow_kv.sim.systems import daskflow, local
+
+    assert daskflow.plan_placements is placement.plan_placements
+    assert daskflow.admit is admission.admit
+    assert daskflow.batch_seconds is local.batch_seconds is placement.batch_seconds
     assert worker.plan_step is step_schedule.plan_step
     assert policy  # the package the runtime imports them from
 
@@ -281,8 +285,8 @@ def test_a_rerun_first_gets_back_the_evicted_inputs_of_its_producer():
     cpu = SimProfile("cpu-like", (PrefillProfile(0.0, 0.005, 0.0),), LinkProfile(1e9), 46080)  # 5 ms a token
     sim = systems.DaskflowSystem(cpu, 1, lineage=True)  # the rule before 2026-12-07
     a, b = ("a", 0, 64), ("b", 64, 128)
-    sim.lineage.update(a=systems._Producer(0, (a,), (), (64, 0, 0)), b=systems._Producer(0, (b,), (a,), (64, 64, 0)))
-    flow = systems._Flow(exp7_stream(1, 60.0, 1, "uniform")[0])
+    sim.lineage.update(a=_Producer(0, (a,), (), (64, 0, 0)), b=_Producer(0, (b,), (a,), (64, 64, 0)))
+    flow = _Flow(exp7_stream(1, 60.0, 1, "uniform")[0])
     match = sim._match([b], flow)  # a lookup that found only b (in lineage)
     assert match.tokens == 128 and sim.reruns == 2 and set(sim.pending) == {"a", "b"}
     done = {}

@@ -11,7 +11,7 @@ hardware preset from public figures). One concept per file:
 ``blocks``     chains of 64-token KV blocks and the per-worker ledgers that hold them;
 ``worker``     a modeled worker: a step loop (``policy.step_schedule``) on a virtual clock;
 ``loop``       the event loop (a heap of timed callbacks);
-``systems``    daskflow-kv, ``local`` and text replay, as schedulers over modeled workers;
+``systems``    daskflow-kv, ``local`` and text replay, as schedulers over modeled workers (a module each);
 ``report``     runs, metrics, the fidelity check and the JSON / markdown tables;
 ``repeatability`` two measurements of the same exp 7 rows side by side (the check's noise floor);
 ``ensemble``   each row replayed many times with measured step scatter, against every measurement of it;
