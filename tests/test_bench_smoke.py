@@ -329,6 +329,26 @@ def test_sim_whatif_sweeps_the_gate_and_the_workload_shape_quick(tmp_path):
     assert "MODELED" in out.with_suffix(".md").read_text()
 
 
+def test_control_plane_holds_the_grids_rates_against_one_scheduler(tmp_path):
+    """benchmarks/control_plane.py's check: a modeled rate times the measured scheduler CPU a
+    workflow costs is the scheduler cores that rate takes; above one core, one scheduler cannot."""
+    mod = _benchmark("control_plane")
+    grid = tmp_path / "simulation.json"
+    grid.write_text(json.dumps({"grid": [
+        {"system": "daskflow-kv", "workers": 8, "stream": "zipf", "completed_per_min": 120.0, "seed": 0},
+        {"system": "daskflow-kv", "workers": 512, "stream": "zipf", "completed_per_min": 6000.0, "seed": 0},
+        {"system": "daskflow-kv", "workers": 512, "stream": "zipf", "completed_per_min": 9000.0, "seed": 1},
+        {"system": "local", "workers": 512, "stream": "zipf", "completed_per_min": 1e6, "seed": 0}]}))
+    rows = [{"mode": "state", "completed": 10, "scheduler_cpu_s_per_workflow": 0.03},
+            {"mode": "state", "completed": 10, "scheduler_cpu_s_per_workflow": 0.04},
+            {"mode": "text", "completed": 10, "scheduler_cpu_s_per_workflow": 0.5}]  # not daskflow-kv's cost
+    small, big = mod.scheduler_check(rows, grid)
+    assert (small["workers"], big["workers"]) == (8, 512) and big["workflows_per_s"] == 125.0  # the draws' median
+    assert small["scheduler_cores"] == pytest.approx([0.06, 0.08]) and small["one_scheduler_keeps_up"]
+    assert big["scheduler_cores"] == pytest.approx([3.75, 5.0]) and not big["one_scheduler_keeps_up"]
+    assert mod.scheduler_check(rows, tmp_path / "missing.json") == []
+
+
 def _exp7_run(system, by_op, by_worker, transfers=None, repeat=0):
     return {"exp": "exp7", "point": "zipf-budget 60/min", "system": system, "prefill_by_op": by_op,
             "prefill_by_worker": by_worker, "tokens_prefilled": sum(by_op.values()), "transfers": transfers,

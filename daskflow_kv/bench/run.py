@@ -57,6 +57,7 @@ PROFILES = {
              "exp7_context": 1024, "exp7_streams": ["uniform", "zipf", "zipf-budget"], "exp7_budget_fraction": 0.25,
              "parallel_contexts": [1024, 2048, 4096, 8192], "parallel_exp1_contexts": [4096, 8192]},
 }
+EXP7_AGENT_TOKENS = 512  # room an exp 7 agent needs past its document: task, upstream outputs, answer
 MODELED_BANDWIDTHS_GBPS = [100, 25, 10, 3, 1, 0.3, 0.1, 0.03, 0.01]
 # systems.SYSTEMS + systems.OPTIONAL_SYSTEMS (tests check), here so flags are checked without torch
 ALL_SYSTEMS = ("text", "hf", "local", "dkv", "dkv-transfer", "dkv-recompute")
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exp6-context", type=int, help="exp6 shared context (tokens)")
     ap.add_argument("--exp7-rates", type=float, nargs="+", help="exp7 arrival rates, workflows per minute")
     ap.add_argument("--exp7-workflows", type=int, help="exp7 workflows per stream")
+    ap.add_argument("--exp7-docs", type=int, help="exp7 shared documents the stream draws from")
+    ap.add_argument("--exp7-context", type=int, help="exp7 document length (tokens)")
     ap.add_argument("--exp7-gates", nargs="+", metavar="N|none", type=_gate,
                     help="exp7 workflow gates, running workflows per worker (none: no gate); every system runs "
                          "once per gate, side by side (default: none)")
@@ -125,7 +128,8 @@ def _gate(text: str) -> float | str | None:
 def resolve(args) -> dict:
     cfg = dict(PROFILES[args.profile])
     for key in ("model", "contexts", "agents", "exp2_context", "ks", "reps", "max_new_tokens", "exp3_contexts",
-                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_streams", "exp7_gates",
+                "near_tie", "exp6_context", "exp7_rates", "exp7_workflows", "exp7_docs", "exp7_context", "exp7_streams",
+                "exp7_gates",
                 "parallel_contexts",
                 "parallel_exp1_contexts"):
         v = getattr(args, key)
@@ -153,7 +157,7 @@ def resolve(args) -> dict:
 
 def check(cfg: dict) -> dict:
     """Every knob of a bench run, checked (and normalized) before a cluster starts."""
-    from ..model.zoo.names import check_model
+    from ..model.zoo.names import check_model, max_positions
 
     v = validation
     most = v.integer("setting daskflow-kv.max-fork", config.get("max-fork"), minimum=1)
@@ -188,6 +192,12 @@ def check(cfg: dict) -> dict:
     cfg["exp6_context"] = v.integer("--exp6-context", cfg["exp6_context"], minimum=1)
     cfg["exp7_rates"] = [v.number("--exp7-rates", r, above=0) for r in cfg["exp7_rates"]]
     cfg["exp7_workflows"] = v.integer("--exp7-workflows", cfg["exp7_workflows"], minimum=1)
+    cfg["exp7_docs"] = v.integer("--exp7-docs", cfg.get("exp7_docs", 2), minimum=1)
+    cfg["exp7_context"] = v.integer("--exp7-context", cfg.get("exp7_context", 96), minimum=1)
+    room = max_positions(cfg["model"])  # an agent's prompt and answer follow the document
+    if 7 in exps and room is not None and cfg["exp7_context"] + EXP7_AGENT_TOKENS > room:
+        raise InvalidInputError(f"--exp7-context {cfg['exp7_context']} leaves too little room in {cfg['model']}'s "
+                                f"{room} positions: give at most {room - EXP7_AGENT_TOKENS}")
     cfg["exp7_gates"] = [None if g is None else v.number("--exp7-gates", g, above=0)
                          for g in cfg.get("exp7_gates") or [None]]
     if 3 in exps and cfg["workers"] < 2:
