@@ -45,7 +45,7 @@ from .kv_views import KVViews
 from .tenants import AccessDenied, Session, TenantRegistry
 
 RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
-             "kv_release_state", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
+             "kv_release_states", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
              "kv_drop", "kv_workflow_done", "kv_run_done")
 
 
@@ -280,21 +280,24 @@ class ClientHandlers:
                 raise ValueError(f"state {sid}: {name} must be a short string")
         return {**meta, "block_keys": keys, "parents": _strings("parents", meta.get("parents", []))}
 
-    def handle_release_state(self, session: str, state_id: str, reuse_expected: bool = False) -> None:
-        """``reuse_expected``: a later step of the caller's workflow reads this state's blocks
-        again (evicted last for ``scheduler.reuse-hint``)."""
+    def handle_release_states(self, session: str, state_ids: list[str], reuse_expected: bool = False) -> None:
+        """Release the caller's states, in one call (a level's branches and continuations: one
+        RPC, not one each). ``reuse_expected``: a later step of the caller's workflow reads
+        their blocks again (evicted last for ``scheduler.reuse-hint``). One state that is not
+        the caller's refuses the whole call, before any is released."""
         s = self._session(session)
-        st = self._catalog.states.get(state_id)
-        if st is None:
-            return
-        if not s.sees(st.namespace):
-            raise AccessDenied(f"state {state_id} is not one of namespace {s.namespace!r}'s")
-        if reuse_expected is True:
-            self._leases.plan([k for k in st.block_keys if k in self._catalog.blocks], time.time())
-        self._catalog.release_state(state_id)
-        self._budget.note_change()
-        self._budget.note_progress()
-        self._events.record("release", st.namespace, state_id=state_id)
+        states = [st for st in map(self._catalog.states.get, state_ids) if st is not None]
+        for st in states:
+            if not s.sees(st.namespace):
+                raise AccessDenied(f"state {st.state_id} is not one of namespace {s.namespace!r}'s")
+        for st in states:
+            if reuse_expected is True:
+                self._leases.plan([k for k in st.block_keys if k in self._catalog.blocks], time.time())
+            self._catalog.release_state(st.state_id)
+            self._events.record("release", st.namespace, state_id=st.state_id)
+        if states:
+            self._budget.note_change()
+            self._budget.note_progress()
 
     # -- views ----------------------------------------------------------------------------------
     def handle_catalog(self, session: str) -> list[dict]:

@@ -132,10 +132,22 @@ def test_dask_event_log_and_dashboard_show_no_usable_key(bob, record, tenant_clu
     assert short_key(record.state.block_keys[0]).encode() not in table
 
 
+def _status(rt, state_id):
+    return {r["state_status"] for r in rt.catalog().to_pylist() if r["state_id"] == state_id}
+
+
 def test_release_and_knobs_of_others_are_refused(alice, bob, ops, record):
     with pytest.raises(AccessDenied, match="not one of namespace 'bob'"):
-        bob.client.sync(bob.client.scheduler.kv_release_state, session=bob.session.token, state_id=record.state_id)
+        bob.client.sync(bob.client.scheduler.kv_release_states, session=bob.session.token,
+                        state_ids=[record.state_id])
     assert "live" in set(alice.catalog().column("state_status").to_pylist())
+    own = bob.materialize(bob.encode("Bob's own notes, released with Alice's in one call."))
+    with pytest.raises(AccessDenied, match="not one of namespace 'bob'"):  # one foreign id refuses the batch
+        bob.client.sync(bob.client.scheduler.kv_release_states, session=bob.session.token,
+                        state_ids=[own.state_id, record.state_id])
+    assert _status(bob, own.state_id) == {"live"}  # his own not released either
+    bob.release_many([own, own])  # his own, named twice: one release
+    assert own.released and _status(bob, own.state_id) == {"released"}
     with pytest.raises(AccessDenied, match="admin"):
         bob.configure(kv_budget_bytes=1)
     with pytest.raises(AccessDenied, match="admin"):

@@ -51,7 +51,8 @@ def test_bob_cannot_re_register_alices_state_id(alice, bob, record):
     with pytest.raises(AccessDenied, match="already registered by another namespace"):
         _register(bob, [_meta(record.state_id, [])])
     with pytest.raises(AccessDenied, match="not one of namespace 'bob'"):  # so he cannot release it either
-        bob.client.sync(bob.client.scheduler.kv_release_state, session=bob.session.token, state_id=record.state_id)
+        bob.client.sync(bob.client.scheduler.kv_release_states, session=bob.session.token,
+                        state_ids=[record.state_id])
     rows = [r for r in alice.catalog().to_pylist() if r["state_id"] == record.state_id]
     assert rows and {r["namespace"] for r in rows} == {"alice"} and {r["state_status"] for r in rows} == {"live"}
     with pytest.raises(AccessDenied, match="already registered$"):  # nor alice twice: once, by one namespace

@@ -212,12 +212,12 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
             # Hold nothing while backing off (outside the handler: the error and its frames are
             # gone): the continuations kept for later levels go to the cache too, evicted last;
             # what is evicted meanwhile is prefilled again.
-            for st in states.values():
-                rt.release(st, reuse_expected=True)
+            rt.release_many(list(states.values()), reuse_expected=True)
             states.clear()
             time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt) * random.uniform(0.5, 1.0))
             rejoin()
         prefills += made
+        done_with = []  # released together after the level: one scheduler call, not two an agent
         for name, branch, gen, planned_at in done:
             m = _metrics(gen)
             d = gen.placement.decision
@@ -243,20 +243,20 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
                 finished_at=m["first_token_at"] + m["decode_s"],
             )
             lineage[name] = [ev.as_dict() for ev in gen.state.state.lineage]
-            rt.release(branch)
+            done_with.append(branch)
             # Keep a continuation live only when a later agent continues it (``follows``):
             # the rest stay cached for reuse but evictable, so under a KV budget the
             # workflow's pinned working set is what it still needs, not all it made.
             if name in followed and wf.agents[name].policy != "evict":
                 states[name] = gen.state
             else:
-                rt.release(gen.state)
+                done_with.append(gen.state)
+        rt.release_many(done_with)
         level_tokens.append(computed)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
                             prefills=prefills, preemptions=preemptions, killed_worker_redos=redos)
     result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
-    for st in states.values():
-        rt.release(st)  # the cache keeps the blocks (retention), subject to the budget
+    rt.release_many(list(states.values()))  # the cache keeps the blocks (retention), subject to the budget
     rt.note_workflow(len(results), [a.ttft_s for a in results.values()])  # after the releases: no block stays pinned while it is told
     return result
 
@@ -295,8 +295,7 @@ def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel
                 done.append((name, branch, gen, planned_at))
                 made.append(gen.state)
     except (KVPreempted, KilledWorker):
-        for st in made:
-            rt.release(st)
+        rt.release_many(made)
         raise
     return computed, prefills, done
 

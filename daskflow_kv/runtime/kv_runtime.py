@@ -226,12 +226,19 @@ class KVRuntime:
         """Drop this handle's references; cached blocks stay until evicted under the budget.
         ``reuse_expected``: a later step will look this context up again - its blocks are
         evicted last (``scheduler.reuse-hint``), a hint the budget may still override."""
-        validation.instance("state", state, DistKVState)
-        if state.released:
-            return
-        state.released = True
-        state.futures = ()  # forks share the tuple: the blocks go only when no handle holds it
-        self.plugin.release_state(state.state_id, bool(reuse_expected))
+        self.release_many([state], reuse_expected)
+
+    def release_many(self, states: Sequence[DistKVState], reuse_expected: bool = False) -> None:
+        """``release`` for several states in one scheduler call (the scheduler's CPU per
+        workflow is what caps a cluster: docs/simulation.md, "Where one scheduler stops")."""
+        for state in states:
+            validation.instance("state", state, DistKVState)
+        fresh = [st for st in dict.fromkeys(states) if not st.released]
+        for state in fresh:
+            state.released = True
+            state.futures = ()  # forks share the tuple: the blocks go only when no handle holds it
+        if fresh:
+            self.plugin.release_states([st.state_id for st in fresh], bool(reuse_expected))
 
     # -- baseline and introspection ---------------------------------------------------------
     def generate_text(self, tokens: Sequence[int] | str, max_new_tokens: int = 32, sampling: SamplingParams = GREEDY,

@@ -130,8 +130,8 @@ class PluginClient:
         """Catalog new states (the plugin answers once it knows all their blocks)."""
         self.call("kv_register_states", metas=metas)
 
-    def release_state(self, state_id: str, reuse_expected: bool = False) -> None:
-        self.call("kv_release_state", state_id=state_id, reuse_expected=reuse_expected)
+    def release_states(self, state_ids: Sequence[str], reuse_expected: bool = False) -> None:
+        self.call("kv_release_states", state_ids=list(state_ids), reuse_expected=reuse_expected)
 
     def drop(self) -> int:
         """Admin: the cache lets go of every block and this client of every key (before a cluster closes)."""
