@@ -139,6 +139,16 @@ def scheduler_check(rows: list[dict], grid_path: Path) -> list[dict]:
     return out
 
 
+def _relative(v):
+    """A path as the repository names it (results carry no machine's absolute paths)."""
+    if isinstance(v, Path) and v.is_absolute():
+        try:
+            return str(v.relative_to(Path.cwd()))
+        except ValueError:
+            return str(v)
+    return str(v) if isinstance(v, Path) else v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
@@ -157,7 +167,7 @@ def main(argv=None) -> int:
     rows = [r for w in args.workers for r in measure(w, args)]
     doc = {"label": "measured", "command": command_line("python benchmarks/control_plane.py", argv),
            "machine": machine_info(),
-           "model": "tiny-llama", "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
+           "model": "tiny-llama", "config": {k: _relative(v) for k, v in vars(args).items() if k != "out"}, "rows": rows,
            "exact": all(r["exact"] for r in rows if r["mode"] == "state"),
            "scheduler_check": scheduler_check(rows, args.grid)}
     for c in doc["scheduler_check"]:
