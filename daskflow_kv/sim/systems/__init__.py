@@ -21,7 +21,6 @@ scores every worker; pruning keeps the simulation fast at 512 workers and change
 at 2 or 8).
 """
 
-
 from .base import System, prefix_groups
 from .daskflow import DaskflowSystem
 from .local import LocalSystem
