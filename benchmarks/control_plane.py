@@ -31,13 +31,7 @@ from daskflow_kv.bench import cluster_process
 from daskflow_kv.bench.chaos import _run, _tokens
 from daskflow_kv.bench.common import RESULTS_DIR, command_line, log, machine_info, write_json
 from daskflow_kv.bench.load_stream import Arrival, build, doc_sequence, documents
-from daskflow_kv.bench.process_load import _cpu_seconds, scheduler_cpu, worker_load
-
-
-def snapshot(client) -> dict:
-    _, sched, transitions = client.run_on_scheduler(scheduler_cpu)
-    return {"at": time.perf_counter(), "client": _cpu_seconds(), "scheduler": sched, "transitions": transitions,
-            "workers": sum(w["cpu_s"] for w in client.run(worker_load).values())}
+from daskflow_kv.bench import process_load
 
 
 def stream(runtimes, pool, ref, mode: str, workflows: int, concurrency: int, seed: int) -> dict:
@@ -89,12 +83,14 @@ def measure(workers: int, args) -> list[dict]:
         agents = statistics.fmean(len(wf.agents) for wf in pool)
         rows = []
         for mode in args.modes:
-            before = snapshot(clients[0])
+            before, t0 = process_load.snapshot(clients[0]), time.perf_counter()
             recs = stream(runtimes, pool, ref, mode, args.workflows, args.concurrency, args.seed)
-            after = snapshot(clients[0])
+            wall, load = time.perf_counter() - t0, process_load.delta(before, process_load.snapshot(clients[0]))
             ok = [r for r in recs if "error" not in r]
-            n, wall = len(ok), after["at"] - before["at"]
-            per = {k: (after[k] - before[k]) / max(1, n) for k in ("scheduler", "client", "workers", "transitions")}
+            n, cpu = len(ok), load["cpu_s"]  # the scheduler's apart: the cluster has a process of its own
+            spent = {"scheduler": cpu["scheduler"], "client": cpu["client"], "workers": sum(cpu["workers"].values()),
+                     "transitions": load["transitions"]["scheduler"]}
+            per = {k: v / max(1, n) for k, v in spent.items()}
             row = {"workers": workers, "mode": mode, "workflows": len(recs), "completed": n,
                    "exact": all(r["agree"] for r in ok) and n == len(recs), "wrong": sum(not r["agree"] for r in ok),
                    "errors": sorted({r["error"] for r in recs if "error" in r})[:5], "agents_per_workflow": agents,
@@ -102,7 +98,7 @@ def measure(workers: int, args) -> list[dict]:
                    "latency_median_s": statistics.median(r["latency_s"] for r in ok) if ok else None,
                    "scheduler_cpu_s_per_workflow": per["scheduler"], "client_cpu_s_per_workflow": per["client"],
                    "workers_cpu_s_per_workflow": per["workers"], "transitions_per_workflow": per["transitions"],
-                   "scheduler_busy": (after["scheduler"] - before["scheduler"]) / wall if wall else None,
+                   "scheduler_busy": spent["scheduler"] / wall if wall else None,
                    # one scheduler process can take at most this many such workflows a second
                    "scheduler_bound_workflows_per_s": 1 / per["scheduler"] if per["scheduler"] else None}
             rows.append(row)

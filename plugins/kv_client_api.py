@@ -286,7 +286,7 @@ class ClientHandlers:
         their blocks again (evicted last for ``scheduler.reuse-hint``). One state that is not
         the caller's refuses the whole call, before any is released."""
         s = self._session(session)
-        states = [st for st in map(self._catalog.states.get, state_ids) if st is not None]
+        states = [st for st in map(self._catalog.states.get, _strings("state_ids", state_ids)) if st is not None]
         for st in states:
             if not s.sees(st.namespace):
                 raise AccessDenied(f"state {st.state_id} is not one of namespace {s.namespace!r}'s")

@@ -146,6 +146,9 @@ def test_release_and_knobs_of_others_are_refused(alice, bob, ops, record):
         bob.client.sync(bob.client.scheduler.kv_release_states, session=bob.session.token,
                         state_ids=[own.state_id, record.state_id])
     assert _status(bob, own.state_id) == {"live"}  # his own not released either
+    with pytest.raises(ValueError, match="state_ids must be a list of at most"):  # a bare id is no list of them
+        bob.client.sync(bob.client.scheduler.kv_release_states, session=bob.session.token, state_ids=own.state_id)
+    assert _status(bob, own.state_id) == {"live"}
     bob.release_many([own, own])  # his own, named twice: one release
     assert own.released and _status(bob, own.state_id) == {"released"}
     with pytest.raises(AccessDenied, match="admin"):
