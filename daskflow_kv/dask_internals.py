@@ -489,6 +489,48 @@ def spilled_keys(worker) -> list:
         return list(slow.keys())
 
 
+def can_spill(worker) -> bool:
+    """The worker keeps its results in a SpillBuffer (memory, then disk): keys can be spilled."""
+    return hasattr(getattr(worker.data, "fast", None), "evict") and hasattr(worker.data, "slow")
+
+
+def spill_keys(worker, keys: Collection) -> list:
+    """Move ``keys`` from the worker's memory to its spill disk now; -> those moved.
+
+    Dask's SpillBuffer spills its least recently used keys when the worker passes its memory
+    target; zict's LRU also evicts one named key (``LRU.evict(key)``), which writes it to the
+    buffer's ``slow`` part as the buffer's own spilling does. A key that fails to spill (disk
+    full, ``max-spill`` reached) stays in memory, as Dask leaves it then. Reading the key
+    later (a task's input, a peer's fetch) loads it back.
+    """
+    if not can_spill(worker):
+        return []
+    data, moved = worker.data, []
+    for key in keys:
+        if key not in data.fast:
+            continue
+        try:
+            with data._capture_metrics():  # counted in the buffer's disk-write metrics, as its own spills
+                data.fast.evict(key)
+        except Exception as e:  # noqa: BLE001 -- Dask's own spilling keeps the value in memory then too
+            logger.warning("daskflow-kv could not spill %s: %s", str(key)[:40], e)
+            continue
+        moved.append(key)
+    return moved
+
+
+def add_worker_stream_handlers(worker, handlers: Mapping) -> None:
+    """Handlers for messages the scheduler sends on its batched stream to ``worker``
+    (``send_to_worker_stream``). Run in the worker's event loop, in the order the scheduler
+    sent them among its own messages (a compute-task sent after one comes after it)."""
+    worker.stream_handlers.update(handlers)
+
+
+def send_to_worker_stream(scheduler, worker: str, msg: dict) -> None:
+    """Send ``msg`` on the scheduler's batched stream to ``worker`` (``add_worker_stream_handlers``)."""
+    scheduler.worker_send(worker, msg)
+
+
 def task_abandoned(worker, key) -> bool:
     """The task ``key`` running on ``worker`` is no longer wanted: its future was cancelled or
     released while it ran (the worker marks it ``cancelled``), or the worker forgot it.

@@ -168,6 +168,20 @@ class Engine:
             return self.runner.run(blocks, reused, new_tokens, max_new_tokens, **run_kw)
         return self.steps([StepRequest(blocks, reused, new_tokens, max_new_tokens, **run_kw)], False)[0]
 
+    def hold_prefix(self, tokens: Sequence[int]) -> tuple[int, list[str]]:
+        """Reference the longest cached prefix of ``tokens`` until ``drop_hold``: (its length,
+        the held block keys). A caller that admits work by the bytes it will add (a KV pool)
+        keeps what it counted on from being evicted before the work starts."""
+        with self._lock:
+            match = self.index.longest_prefix(self.fingerprint.digest, tokens, self.block_size,
+                                              self.fingerprint.namespace)
+            return match.tokens, self.store.hold(b.key for b in match.blocks)
+
+    def drop_hold(self, held: list[str]) -> None:
+        """End a ``hold_prefix``."""
+        with self._lock:
+            self._drop(held)
+
     def _drop(self, held) -> None:
         for key in self.store.drop(held):
             self.index.remove(key)

@@ -55,6 +55,7 @@ PREFILL_TOPIC = "daskflow-kv-prefill"  # prefill timings workers report (no keys
 REPORT_OP = "kv_worker_report"  # worker -> scheduler plugin, on the worker's stream: spilled blocks, store I/O
 REPORT_HELLO_RPC = "kv_report_hello"  # worker -> scheduler: send me my report token
 REPORT_TOKEN_RPC = "kv_report_token"  # scheduler -> the worker's own address: the token its reports carry
+SPILL_OP = "kv_spill"  # scheduler -> worker, on the scheduler's stream to it: KV blocks to move to its spill disk
 BIND_OP = "kv_bind"  # client -> scheduler plugin, on the client's stream: the login nonce it answers
 CACHE_CLIENT = "daskflow-kv-cache"  # scheduler-side pseudo-client that keeps published blocks
 HOLD_WORKER = "daskflow-kv://awaiting-admission"  # a worker that never exists: parks held tasks

@@ -41,8 +41,8 @@ from typing import NamedTuple
 
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError, KVPreempted
-from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, make_room
+from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER, SPILL_OP
+from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, blocks_to_spill, make_room
 from daskflow_kv.policy.eviction import choose_victims
 from daskflow_kv.state.catalog import KVCatalog
 
@@ -50,6 +50,7 @@ from .kv_events import EventLog
 from .kv_replan import replan_downstream
 from .kv_settings import KVSettings
 from .kv_runs import RunLedger, pending_only_for_cache
+from .kv_tiers import TierTracker
 from .kv_usage import KVUsage
 
 logger = logging.getLogger("daskflow_kv.scheduler")
@@ -120,17 +121,18 @@ def _rank(unit: list) -> tuple:
 
 
 class BudgetEnforcer:
-    __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_events", "_quotas", "_held", "_reserved",
+    __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_tiers", "_events", "_quotas", "_held", "_reserved",
                  "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at", "_floors", "_runs",
                  "_orphans_checked", "on_preempt")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
-                 quotas: Mapping[str, int] | None = None):
+                 quotas: Mapping[str, int] | None = None, tiers: TierTracker | None = None):
         self._scheduler = scheduler  # tasks to park, send, fail; workers to trim
         self._settings = settings  # kv_budget_bytes and admission_patience, read at each decision
         self._quotas = dict(quotas or {})  # namespace -> KV bytes per worker guaranteed to it
         self._catalog = catalog  # eviction counters and each block's namespace
         self._usage = usage  # KV bytes per worker and what could be evicted
+        self._tiers = tiers  # which workers keep a spill disk, which blocks are on it (None: spill nothing)
         self._events = events  # evict and over-budget events
         self._held: dict = {}  # key -> Held: KV tasks parked until admitted, or admitted and not finished
         self._reserved: dict[str, int] = {}  # worker -> KV bytes promised to admitted, running tasks
@@ -212,6 +214,15 @@ class BudgetEnforcer:
             "over_budget": sorted(self._over_budget),
         }
 
+    def parked_by_worker(self) -> dict[str, int]:
+        """Worker -> parked tasks planned there whose inputs exist (ready to run but for room)."""
+        tasks, out = self._scheduler.tasks, {}
+        for key, h in self._held.items():
+            ts = tasks.get(key)
+            if h.worker is None and h.target is not None and ts is not None and ts.state == "no-worker":
+                out[h.target] = out.get(h.target, 0) + 1
+        return out
+
     def forget_worker(self, worker: str) -> None:
         """``worker`` is gone: nothing is reserved there; parked tasks planned there go elsewhere."""
         self._over_budget.discard(worker)
@@ -263,8 +274,9 @@ class BudgetEnforcer:
             self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
             self.note_progress()
 
-    def admit(self) -> None:
-        """Send every parked task that fits, in line order; evict first where that makes room."""
+    def admit(self, spilled: bool = False) -> None:
+        """Send every parked task that fits, in line order; evict first where that makes room,
+        spill younger runs' idle blocks where only that does (then look again, once)."""
         self._admit_pending = False
         if not self._held:
             return
@@ -285,8 +297,53 @@ class BudgetEnforcer:
         stuck: set[tuple] = set()  # blocked lines where nothing can unblock the oldest
         for unit in sorted(units.values(), key=_rank):
             self._admit_unit(unit, now, stimulus, running, lines, blocked, stuck)
-        if stuck:
+        if blocked and not spilled and self._spill_for(lines, blocked, now, stimulus):
+            self.admit(spilled=True)
+        elif stuck:
             self._break_deadlock(lines, blocked, stuck, stimulus)
+
+    def _spill_for(self, lines: dict, blocked: dict, now: float, stimulus: str) -> bool:
+        """For each blocked line, the room its oldest task lacks once every unpinned block is
+        evicted, taken from younger runs' pinned blocks that no running task reads: they go to
+        their worker's spill disk (``SPILL_OP``, sent before the task it makes room for) and no
+        longer count. Their runs keep them; a task that reads one is admitted with room to
+        read it back (``KVUsage.incoming``). -> whether anything was spilled."""
+        if self._tiers is None:
+            return False
+        budget = self._settings.kv_budget_bytes or 0
+        tasks, any_spilled = self._scheduler.tasks, False
+        for line in blocked:
+            worker = line[0]
+            ws = self._scheduler.workers.get(worker)
+            if ws is None or not self._tiers.can_spill(worker):
+                continue
+            unit, verdicts = lines[line][0]
+            need = sum(v.need for v in verdicts if v.worker == worker)
+            wu = self._usage.usage(ws, now)
+            lacking = _unfreeable(wu, self._reserved.get(worker, 0)) + need - budget
+            if need <= 0 or lacking <= 0:
+                continue  # nothing asked there, or eviction alone makes the room
+            head_run, head_rank = _run_of(unit), _rank(unit)[0]
+            pins = [(k, self._usage.held_bytes(tasks[k], ws), runs)
+                    for k, _, runs in self._runs.pinned_blocks(worker, self._held) if k in tasks]
+            ranks = {r: self._runs.rank_of(r) for _, _, runs in pins if runs for r in runs}
+            younger = sorted((r for r, at in ranks.items() if at is not None and at > head_rank and r != head_run),
+                             key=ranks.get, reverse=True)
+            keep = frozenset(d.key for _, ts, _ in unit for d in ts.dependencies)
+            keys = blocks_to_spill(pins, younger, lacking, keep)
+            if not keys:
+                continue
+            nbytes = sum(n for k, n, _ in pins if k in set(keys))
+            di.send_to_worker_stream(self._scheduler, worker, {"op": SPILL_OP, "keys": [str(k) for k in keys]})
+            self._tiers.mark_spilled(worker, keys)
+            self._events.record("spill", unit[0][2].namespace, worker=worker, blocks=len(keys), nbytes=nbytes,
+                                for_key=str(unit[0][0]))
+            for k in keys:
+                ns = self._catalog.namespace_of(k)
+                self._catalog.count("spills", namespace=ns)
+                self._catalog.count("bytes_spilled", tasks[k].get_nbytes(), ns)
+            any_spilled = True
+        return any_spilled
 
     def _drop_orphans(self, stimulus: str) -> None:
         """Let go of parked tasks nobody needs any more: their workflow gave up (preempted, its
@@ -516,6 +573,8 @@ class BudgetEnforcer:
         action, victims, reason, worker, need = verdict
         if action == ADMIT:
             self._evict(worker, victims, stimulus)
+            back = self._read_back(ts, worker)
+            need -= back  # counted where they are now: in the worker's memory
             held.worker, held.reserved = worker, need
             self._reserved[worker] = self._reserved.get(worker, 0) + need
             di.pin(self._scheduler, ts, worker)
@@ -524,6 +583,19 @@ class BudgetEnforcer:
             self._held.pop(key, None)
             self._events.record("over-budget", held.namespace, worker=worker, key=str(key), reason=reason)
             di.fail_task(self._scheduler, key, KVBudgetError(reason), stimulus)
+
+    def _read_back(self, ts, worker: str) -> int:
+        """``ts`` is admitted on ``worker``: its inputs on the spill disk there count as in
+        memory from now on (it reads them back as it starts). -> their bytes."""
+        if self._tiers is None:
+            return 0
+        keys = self._usage.spilled_inputs(ts, worker)
+        if not keys:
+            return 0
+        self._tiers.mark_loaded(worker, keys)
+        nbytes = sum(self._scheduler.tasks[k].get_nbytes() for k in keys if k in self._scheduler.tasks)
+        self._catalog.count("bytes_read_back", nbytes, self._catalog.namespace_of(keys[0]))
+        return nbytes
 
     # -- eviction ---------------------------------------------------------------------------------
     def _evict(self, addr: str, keys, stimulus: str) -> None:

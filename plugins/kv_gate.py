@@ -56,6 +56,10 @@ class WorkflowGate:
         self._renew_by: dict[tuple, float] = {}  # run inside -> (monotonic) by when it must renew
         self._backoff = BackOff()  # fewer places after KV deadlocks
 
+    def waiting_runs(self) -> int:
+        """Runs waiting in line now (every tenant's: a count, for the operator's gauges)."""
+        return self._line.waiting
+
     def handlers(self) -> dict:
         return {name: getattr(self, "handle_" + name.removeprefix("kv_gate_")) for name in RPC_NAMES}
 

@@ -37,7 +37,7 @@ class WorkerReports:
 
     def __init__(self, scheduler, accept: Callable[..., None]):
         self._scheduler = scheduler  # live workers, and the connections to send tokens over
-        self._accept = accept  # (worker, spilled, events, engine) of a report that passed
+        self._accept = accept  # (worker, spilled, events, engine, can_spill) of a report that passed
         self._tokens: dict[str, str] = {}  # worker address -> the token its reports carry
         self._streams: dict[str, object] = {}  # worker address -> its stream (from a report that passed)
         self._sent: dict[str, float] = {}  # worker address -> when its token was last sent
@@ -55,7 +55,7 @@ class WorkerReports:
         except Exception as e:  # noqa: BLE001 -- gone or closing: it asks again when it starts
             logger.debug("daskflow-kv: report token to %s not delivered: %s", worker, e)
 
-    def report(self, worker=None, token=None, spilled=None, events=(), engine=None, **ignored) -> None:
+    def report(self, worker=None, token=None, spilled=None, events=(), engine=None, can_spill=None, **ignored) -> None:
         """``REPORT_OP`` on a worker's stream. Never raises (that would end the sender's stream)."""
         try:
             expected = self._tokens.get(worker) if isinstance(worker, str) else None
@@ -65,7 +65,7 @@ class WorkerReports:
             self._streams[worker] = di.current_connection()
             spilled = [str(k) for k in spilled] if isinstance(spilled, (list, tuple)) else None
             events = [e for e in events if isinstance(e, dict)] if isinstance(events, (list, tuple)) else []
-            self._accept(worker, spilled, events, engine)
+            self._accept(worker, spilled, events, engine, can_spill if isinstance(can_spill, bool) else None)
         except Exception:  # noqa: BLE001
             logger.exception("daskflow-kv: worker report failed")
 

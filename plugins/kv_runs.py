@@ -88,11 +88,20 @@ class RunLedger:
         for k in idle or sorted(self._seen, key=lambda k: self._seen[k][1])[: MAX_FLOWS // 4]:
             del self._seen[k]
 
+    def rank_of(self, run: tuple) -> float | None:
+        """When ``run`` was first seen (its place in line), None if it is not known."""
+        seen = self._seen.get(run)
+        return None if seen is None else seen[0]
+
     def pins_on(self, worker: str, held: Mapping) -> list[tuple[int, frozenset | None]]:
         """Each pinned KV block in memory on ``worker``: (bytes, the workflow runs keeping it -
         its live states', its waiting readers' (``_waiting_for``) and its lease's); None when
         something else keeps it too (a lease, a reader or a state no run claims), which no
         preemption frees."""
+        return [(n, runs) for _, n, runs in self.pinned_blocks(worker, held)]
+
+    def pinned_blocks(self, worker: str, held: Mapping) -> list[tuple[str, int, frozenset | None]]:
+        """``pins_on`` with each block's key: (key, bytes, runs)."""
         ws = self._scheduler.workers.get(worker)
         if ws is None:
             return []
@@ -113,5 +122,5 @@ class RunLedger:
             if self._usage.leased(b.key, now):  # a lookup's lease: the runs it was taken for (ended on preemption)
                 runs |= self._usage.lease_runs(b.key) or {(None, None)}
             known = runs and all(flow is not None for _, flow in runs)
-            out.append((b.nbytes, frozenset(runs) if known else None))
+            out.append((b.key, b.nbytes, frozenset(runs) if known else None))
         return out

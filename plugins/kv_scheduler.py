@@ -188,7 +188,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.gate = WorkflowGate(s, settings, self.tenants)
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
-        self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas())
+        self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas(),
+                                     self.tiers)
         self.budget.on_preempt = self.gate.send_back  # a run preempted for a deadlock waits at the gate again
         self.queue = QueueTracker(s)
         self.profiles = ProfileBook(s, settings.prefill_samples)
@@ -332,14 +333,15 @@ class KVSchedulerPlugin(SchedulerPlugin):
         except Exception:  # noqa: BLE001 -- a raise would end the sender's stream
             logger.exception("daskflow-kv: bind failed")
 
-    def _accept_report(self, worker: str, spilled: list[str] | None, events: list[dict], engine=None) -> None:
+    def _accept_report(self, worker: str, spilled: list[str] | None, events: list[dict], engine=None,
+                       can_spill: bool | None = None) -> None:
         """A worker's own report (``kv_reports``): its spilled blocks and store I/O (see kv_tiers),
         its continuous-batching loop (``kv_engines``)."""
         if worker not in self.scheduler.workers:
             return
         if engine is not None:
             self.engines.update(worker, engine)
-        if self.tiers.report(worker, spilled, events):
+        if self.tiers.report(worker, spilled, events, can_spill):
             self.budget.note_change()  # spilled blocks no longer count against the budget
 
     # -- what the planner, the dashboard and the exports read -------------------------------------

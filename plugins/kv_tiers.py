@@ -28,12 +28,15 @@ def _count(e: dict, name: str) -> int:
 
 
 class TierTracker:
-    __slots__ = ("_catalog", "_events", "_spilled")
+    __slots__ = ("_catalog", "_events", "_spilled", "_can_spill")
 
     def __init__(self, catalog: KVCatalog, events: EventLog):
         self._catalog = catalog  # marks persisted blocks, counts store I/O
         self._events = events  # store failures
-        self._spilled: dict[str, frozenset] = {}  # worker -> KV block keys on its spill disk (its last report)
+        # worker -> KV block keys on its spill disk: its last report, updated at once where the
+        # budget spills blocks or admits a task that reads some back (the next report corrects it)
+        self._spilled: dict[str, frozenset] = {}
+        self._can_spill: dict[str, bool] = {}  # worker -> it keeps a spill disk (its reports say)
 
     def _key(self, e: dict) -> str | None:
         """The Dask key of the block a store event names by content address."""
@@ -44,8 +47,10 @@ class TierTracker:
         key = self._key(e)
         return None if key is None else self._catalog.namespace_of(key)
 
-    def report(self, worker: str, spilled: list[str] | None = None, events=()) -> bool:
+    def report(self, worker: str, spilled: list[str] | None = None, events=(), can_spill: bool | None = None) -> bool:
         """Take a worker's report. -> whether its spilled blocks changed (so did its KV in memory)."""
+        if isinstance(can_spill, bool):
+            self._can_spill[worker] = can_spill
         changed = False
         if spilled is not None:
             before = self._spilled.get(worker, frozenset())
@@ -74,6 +79,23 @@ class TierTracker:
 
     def forget_worker(self, worker: str) -> None:
         self._spilled.pop(worker, None)
+        self._can_spill.pop(worker, None)
+
+    def can_spill(self, worker: str) -> bool:
+        return self._can_spill.get(worker, False)
+
+    def mark_spilled(self, worker: str, keys) -> None:
+        """The budget asked ``worker`` to spill ``keys`` (before anything it sends after)."""
+        self._spilled[worker] = self._spilled.get(worker, frozenset()) | frozenset(keys)
+
+    def mark_loaded(self, worker: str, keys) -> None:
+        """A task admitted on ``worker`` reads ``keys`` back from its spill disk."""
+        if worker in self._spilled:
+            self._spilled[worker] = self._spilled[worker] - frozenset(keys)
+
+    def spilled_bytes(self, worker: str, nbytes) -> int:
+        """Bytes of the blocks on ``worker``'s spill disk (``nbytes``: key -> size)."""
+        return sum(nbytes(k) for k in self._spilled.get(worker, ()))
 
     def spilled_on(self, key, worker: str) -> bool:
         return key in self._spilled.get(worker, ())

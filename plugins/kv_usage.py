@@ -106,6 +106,12 @@ class KVUsage:
         return WorkerUsage(used, usage, by_owner)
 
     def incoming(self, ts, worker: str) -> int:
-        """KV bytes ``ts`` will fetch to ``worker`` (its KV inputs held elsewhere)."""
+        """KV bytes ``ts`` will bring into ``worker``'s memory: its KV inputs held elsewhere
+        (fetched) and those on ``worker``'s spill disk (read back)."""
         return sum(d.get_nbytes() for d in ts.dependencies
-                   if self.is_kv(d.key) and not any(w.address == worker for w in d.who_has or ()))
+                   if self.is_kv(d.key) and (not any(w.address == worker for w in d.who_has or ())
+                                             or self._tiers.spilled_on(d.key, worker)))
+
+    def spilled_inputs(self, ts, worker: str) -> list:
+        """``ts``'s KV inputs on ``worker``'s spill disk (read back when it runs there)."""
+        return [d.key for d in ts.dependencies if self._tiers.spilled_on(d.key, worker)]

@@ -6,7 +6,8 @@
 ``KVWorkerPlugin`` tells the scheduler what only workers know about KV blocks:
 
 * which blocks Dask has spilled to disk (the worker's SpillBuffer), so the catalog shows
-  their tier and the KV budget counts only blocks in memory;
+  their tier and the KV budget counts only blocks in memory; the budget also spills blocks
+  on purpose (``SPILL_OP``: a waiting task's room taken by blocks no running task reads);
 * what the persistent store did here (writes finished, loads, corrupt objects), so the
   catalog marks persisted blocks and the counters add up.
 
@@ -43,7 +44,7 @@ from tornado.ioloop import PeriodicCallback
 
 from daskflow_kv import config
 from daskflow_kv import dask_internals as di
-from daskflow_kv.keys import REPORT_HELLO_RPC, REPORT_OP, REPORT_TOKEN_RPC, is_block, is_kv, short_key
+from daskflow_kv.keys import REPORT_HELLO_RPC, REPORT_OP, REPORT_TOKEN_RPC, SPILL_OP, is_block, is_kv, short_key
 
 from .kv_engines import merge
 from .tenants import AccessDenied
@@ -104,6 +105,7 @@ class KVWorkerPlugin(WorkerPlugin):
         self._trimmed = 0.0  # when freed memory was last given back while paused
         di.guard_worker_data(worker, refused_data)
         di.add_worker_handlers(worker, {REPORT_TOKEN_RPC: self.take_token})
+        di.add_worker_stream_handlers(worker, {SPILL_OP: self.spill})
         self._pc = PeriodicCallback(self.report, config.get_seconds("workers.report-interval") * 1000)
         self._pc.start()
         worker.loop.add_callback(self._hello)
@@ -120,6 +122,15 @@ class KVWorkerPlugin(WorkerPlugin):
             self._token, self._sent = token, None
             self.worker.loop.add_callback(self.report)
         return "OK"
+
+    def spill(self, keys=(), **_) -> None:
+        """``SPILL_OP`` (from the scheduler's KV budget, on its own stream to this worker): move
+        these blocks to the spill disk now, before the task sent after this message starts,
+        and say so at once. Only KV blocks; what is not here or not a block is ignored."""
+        blocks = [k for k in keys if isinstance(k, str) and is_block(k)] if isinstance(keys, (list, tuple)) else []
+        di.spill_keys(self.worker, blocks)
+        self._sent = None  # the whole list next, spilled or not: the scheduler counted on it
+        self.worker.loop.add_callback(self.report)
 
     def spilled(self) -> list[str]:
         return sorted(str(k) for k in di.spilled_keys(self.worker) if is_block(k))
@@ -138,7 +149,8 @@ class KVWorkerPlugin(WorkerPlugin):
         try:
             di.send_to_scheduler_stream(self.worker, {"op": REPORT_OP, "token": self._token,
                                                       "spilled": None if spilled == self._sent else spilled,
-                                                      "events": events, "engine": engine})
+                                                      "events": events, "engine": engine,
+                                                      "can_spill": di.can_spill(self.worker)})
             self._sent, self._engine = spilled, engine
         except Exception as e:  # scheduler gone or closing: the next report says it all again
             logger.debug("daskflow-kv worker report failed: %s", e)

@@ -34,7 +34,7 @@ from ..flow.executor import run_state_mode, run_text_mode
 from ..keys import PREFILL_TOPIC
 from ..stats import percentile
 from . import local_engine as le
-from . import process_load
+from . import pressure_trace, process_load
 from . import systems as S
 from .common import Progress, log
 from .exp7_why import rebuild_reasons
@@ -275,8 +275,10 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
     for x in benches:  # the row's own plans only (the bench's runtimes: nothing else reads this log)
         x.rt.decisions.clear()
     load_before = process_load.snapshot(b.client)
+    pressure_trace.start(b.client)
     t0 = time.time()
     records = run_stream(benches, system, arrivals, texts, salt, max_new)
+    trace = pressure_trace.stop(b.client)
     load_after = process_load.snapshot(b.client)
     load = process_load.delta(load_before, load_after)
     if os.environ.get("DASKFLOW_KV_BENCH_STEP_SHAPES") == "1":
@@ -288,6 +290,9 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         rt.set_workflow_gate(None)
     delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
     row = _row(kind, rate, rep, system, records, ref, arrivals, text_tokens, delta, budget, gate) | load
+    row["pressure"] = pressure_trace.summarize(trace, budget, rt.block_size * rt.facts.bytes_per_token)
+    if os.environ.get("DASKFLOW_KV_BENCH_TRACE"):  # the raw samples, for a look at one row's seconds
+        row["pressure_trace"] = trace
     if system == "local":  # what the router priced with (refreshed at exp 7's start): a replay needs it
         row["router_profiles"] = b.router.priced_by()
     if system == "dkv":

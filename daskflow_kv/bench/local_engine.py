@@ -6,8 +6,10 @@ this process), batched decode of the branches it serves together (``resume_forks
 copy of the prefix), and continuous batching: its prefills and decodes run in the worker's
 step loop (``runtime.step_worker``), the same one daskflow-kv's tasks use, so groups from
 different workflows share forward steps there. Nothing crosses workers:
-a worker without the prefix prefills it itself. States are kept for reuse, least recently
-used first out, under a byte budget (``retain_bytes``), as a serving engine's cache does.
+a worker without the prefix prefills it itself. Its KV lives in a hard pool of
+``retain_bytes`` (``local_pool``): running groups and the prefix cache together, a group
+admitted when what it can write fits, least recently used cache evicted first, as a
+serving engine's KV pool.
 
 Functions here run inside Dask tasks (``run_group``) or through ``client.run`` (``clear``,
 ``cached_bytes``); the client side that routes groups to workers is ``bench.router``.
@@ -18,63 +20,38 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from ..engine import Engine
 from ..model.sampling import GREEDY
 from ..runtime import step_worker, tasks
+from .local_pool import KVPool, group_need
 
-DEFAULT_RETAIN = 2 << 30  # bytes of K/V one worker's engine keeps for reuse
+DEFAULT_RETAIN = 2 << 30  # bytes of K/V one worker's engine holds (its pool) when no budget is set
 
-
-@dataclass(slots=True)
-class LocalCache:
-    """One worker's engine and the states it keeps for reuse."""
-
-    engine: Engine  # shares the worker's loaded model (``tasks.get_runner``)
-    kept: OrderedDict  # state id -> KVState, least recently used first
-    retain_bytes: int  # evict past this many block bytes
-    evicted_states: int = 0  # states dropped for the budget since start
-    evicted_bytes: int = 0  # block bytes those drops freed
-
-    def keep(self, *states) -> None:
-        for st in states:
-            self.kept[st.state_id] = st
-            self.kept.move_to_end(st.state_id)
-        while len(self.kept) > 1 and self.engine.store.nbytes > self.retain_bytes:
-            _, old = self.kept.popitem(last=False)
-            self.evicted_states += 1
-            self.evicted_bytes += self.engine.release(old)
-
-    def clear(self) -> None:
-        while self.kept:
-            self.engine.release(self.kept.popitem()[1])
-
-
-_CACHES: dict[tasks.ModelSpec, LocalCache] = {}
+_POOLS: dict[tasks.ModelSpec, KVPool] = {}
 _LOCK = threading.Lock()
 
 
-def _cache(spec: tasks.ModelSpec, retain_bytes: int = DEFAULT_RETAIN) -> LocalCache:
+def _pool(spec: tasks.ModelSpec, pool_bytes: int = DEFAULT_RETAIN) -> KVPool:
+    """This process's engine for ``spec``, behind its KV pool of ``pool_bytes``."""
     with _LOCK:
-        c = _CACHES.get(spec)
-        if c is None:
+        p = _POOLS.get(spec)
+        if p is None:
             runner = tasks.get_runner(spec)
             engine = Engine(runner=runner, steps=functools.partial(step_worker.run, runner))
-            c = _CACHES[spec] = LocalCache(engine, OrderedDict(), retain_bytes)
-        c.retain_bytes = retain_bytes
-        return c
+            p = _POOLS[spec] = KVPool(engine, pool_bytes)
+        p.budget = int(pool_bytes)
+        return p
 
 
 def clear(dask_worker=None) -> int:
     """Empty every engine's cache in this process (a cold start); returns bytes freed."""
     freed = 0
     with _LOCK:
-        for c in _CACHES.values():
-            before = c.engine.store.nbytes
-            c.clear()
-            freed += before - c.engine.store.nbytes
+        for p in _POOLS.values():
+            before = p.engine.store.nbytes
+            p.clear()
+            freed += before - p.engine.store.nbytes
     from .worker_tasks import malloc_trim
 
     malloc_trim()
@@ -84,40 +61,58 @@ def clear(dask_worker=None) -> int:
 def stats(dask_worker=None) -> dict:
     """What this process's engines evicted for their budget (``client.run``)."""
     with _LOCK:
-        return {"evicted_states": sum(c.evicted_states for c in _CACHES.values()),
-                "evicted_bytes": sum(c.evicted_bytes for c in _CACHES.values())}
+        return {"evicted_states": sum(p.evicted_states for p in _POOLS.values()),
+                "evicted_bytes": sum(p.evicted_bytes for p in _POOLS.values())}
 
 
 def cached_bytes(dask_worker=None) -> int:
     with _LOCK:
-        return sum(c.engine.store.nbytes for c in _CACHES.values())
+        return sum(p.engine.store.nbytes for p in _POOLS.values())
+
+
+def pool_gauges() -> tuple[int, int, int]:
+    """This process's pools together: (bytes in their stores, bytes reserved, groups waiting)."""
+    with _LOCK:
+        pools = list(_POOLS.values())
+    gauges = [p.gauges() for p in pools]
+    return tuple(sum(g[i] for g in gauges) for i in range(3))
 
 
 def run_group(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int, list[int]]], max_new_tokens: int,
               retain_bytes: int = DEFAULT_RETAIN) -> dict:
     """``prefix`` from this engine's cache (prefilling what it lacks), then every (index,
-    suffix) branch decoded as one batch. Times are wall clock (``time.time()``)."""
+    suffix) branch decoded as one batch, once the pool (``retain_bytes``) has room for all
+    the group can write. Times are wall clock (``time.time()``); ``start`` is when it was
+    admitted, ``arrived`` when it asked."""
     from .worker_tasks import _worker_address
 
-    c = _cache(spec, retain_bytes)
-    eng = c.engine
-    start = time.time()
-    root = eng.materialize(list(prefix))
-    prefix_ready = time.time()
-    made = dict(root.lineage[-1].detail)
-    gens = eng.resume_forks(root, [list(s) for _, s in branches], max_new_tokens, GREEDY,
-                            streams=[i for i, _ in branches])
-    stop = time.time()
-    with _LOCK:  # groups of other workflows finish on other threads of this process
-        c.keep(root, *(g.state for g in gens))
+    pool = _pool(spec, retain_bytes)
+    eng = pool.engine
+    arrived = time.time()
+    ticket = pool.admit(prefix, [len(s) for _, s in branches], max_new_tokens, eng.runner.bytes_per_token)
+    made = []
+    try:
+        start = time.time()
+        root = eng.materialize(list(prefix))
+        made.append(root)
+        prefix_ready = time.time()
+        detail = dict(root.lineage[-1].detail)
+        pool.published(ticket, group_need(len(prefix), int(detail.get("tokens_reused", 0)), [], 0, eng.block_size,
+                                          eng.runner.bytes_per_token))
+        gens = eng.resume_forks(root, [list(s) for _, s in branches], max_new_tokens, GREEDY,
+                                streams=[i for i, _ in branches])
+        made += [g.state for g in gens]
+        stop = time.time()
+    finally:
+        pool.finish(ticket, *made)  # a failed group's states are cached too: the pool frees them by LRU
     stats = gens.stats
     out = [{"index": i, "tokens": list(g.tokens), "first_token_at": g.metrics.first_token_at,
             "prefill_s": g.metrics.prefill_s, "decode_s": g.metrics.decode_s, "tokens_computed": len(s)}
            for (i, s), g in zip(branches, gens)]
     return {
-        "worker": _worker_address(), "start": start, "stop": stop, "prefix_ready_at": prefix_ready,
-        "prefix_tokens_computed": int(made.get("tokens_computed", 0)),
-        "prefix_tokens_reused": int(made.get("tokens_reused", 0)),
+        "worker": _worker_address(), "arrived": arrived, "start": start, "stop": stop, "prefix_ready_at": prefix_ready,
+        "prefix_tokens_computed": int(detail.get("tokens_computed", 0)),
+        "prefix_tokens_reused": int(detail.get("tokens_reused", 0)),
         "prefix_prefill_s": prefix_ready - start, "batch_load_s": stats.load_s if stats else 0.0,
         "peak_kv_bytes": eng.store.nbytes + (stats.kv_bytes if stats else 0), "branches": out,
     }

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import random
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -29,11 +28,11 @@ from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
 
-# A level preempted this often gives up with the budget's error: about a minute of backing off
-# (the doubling waits reach BACKOFF_S[1] by the sixth), longer than any queue a budget that can
-# hold the workflow should build, short enough that a workflow that never gets in says so.
+# A level preempted this often gives up with the budget's error: a workflow that a budget able
+# to hold it preempts again and again says so instead of retrying for ever. (Preemption is the
+# budget's last resort: where workers keep a spill disk it spills younger runs' idle blocks
+# instead, and nothing is redone.)
 MAX_PREEMPTIONS = 30
-BACKOFF_S = (0.1, 5.0)  # first and longest wait before a preempted level is redone (doubling, jittered)
 # Dask fails a task once more than ``allowed-failures`` workers died while it was assigned to
 # them, queued there or running (KilledWorker): its guard against a task that kills workers.
 # A KV task is pinned to its planned worker and queues there behind others, so under workers
@@ -201,7 +200,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
             try:
                 computed, made, done = _run_level(rt, wf, lvl, names, prompts, read_later, parallel)
                 break
-            except KVPreempted:  # the budget's deadlock breaker chose this workflow: back off, redo the level
+            except KVPreempted:  # the budget's deadlock breaker chose this workflow: redo the level
                 if attempt + 1 >= MAX_PREEMPTIONS:
                     raise
                 preemptions += 1
@@ -209,12 +208,13 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
                 if redos >= MAX_KILLED_WORKER_REDOS:
                     raise
                 redos += 1
-            # Hold nothing while backing off (outside the handler: the error and its frames are
-            # gone): the continuations kept for later levels go to the cache too, evicted last;
-            # what is evicted meanwhile is prefilled again.
+            # Hold nothing while waiting to be let in again (outside the handler: the error and
+            # its frames are gone): the continuations kept for later levels go to the cache too,
+            # evicted last; what is evicted meanwhile is prefilled again. The wait is the
+            # workflow gate's, on the scheduler (it sent this run back to the head of its line
+            # and lets fewer in): no sleep here, so no worker idles while this run could go.
             rt.release_many(list(states.values()), reuse_expected=True)
             states.clear()
-            time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** attempt) * random.uniform(0.5, 1.0))
             rejoin()
         prefills += made
         done_with = []  # released together after the level: one scheduler call, not two an agent

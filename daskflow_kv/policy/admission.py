@@ -20,6 +20,12 @@ of ``choose_victims``), and may not fill the room another tenant's quota keeps f
 (the part of the quota it does not hold yet), so one tenant pinning blocks cannot make
 another's next prefill fail.
 
+When a worker keeps a spill disk, a waiting task whose room is pinned by younger workflow
+runs' blocks that no running task reads need not wait, nor preempt anyone: those blocks go
+to the spill disk (``blocks_to_spill``) - their runs keep them, nothing is recomputed, and a
+task that reads one later is admitted with room to read it back. The same younger-runs-first
+rule as preemption, so the oldest run always gets its room.
+
 Plain numbers in, one ``Admission`` out; the scheduler plugin does what it says.
 """
 
@@ -158,3 +164,17 @@ def make_room(rooms: Sequence[Room], younger: list) -> tuple[str, list] | None:
         if runs and (best is None or len(runs) < len(best[1])):
             best = (r.worker, runs)
     return best
+
+
+def blocks_to_spill(pins: Iterable[tuple[str, int, frozenset | None]], younger: list, lacking: int,
+                    keep: frozenset = frozenset()) -> list[str]:
+    """Pinned blocks to move to the spill disk so that a waiting task finds the ``lacking``
+    bytes it needs: those of the fewest runs of ``younger`` (youngest first) whose blocks,
+    spilled, free that much (``runs_to_preempt``). ``pins``: (key, bytes in memory, the runs
+    keeping it; None when something no run accounts for keeps it, such as a running task
+    reading it). ``keep``: blocks the waiting task reads itself. -> keys, or [] when even all
+    of ``younger`` would not free enough."""
+    pins = [(k, n, runs) for k, n, runs in pins if runs and n > 0 and k not in keep]
+    runs = runs_to_preempt([(n, r) for _, n, r in pins], younger, lacking)
+    gone = set(runs)
+    return [k for k, _, r in pins if r <= gone] if runs else []

@@ -60,6 +60,16 @@ def engine_stats() -> dict[str, dict]:
         return {f"{e.runner.fingerprint.model_id}#{i}": e.stats.as_dict() for i, e in enumerate(_ENGINES.values())}
 
 
+def engine_gauges() -> tuple[float, int, int, int]:
+    """This process's step loops together: (busy seconds since start, requests running,
+    requests waiting to join, KV bytes their working caches hold: 0 where a loop does not say)."""
+    with _LOCK:
+        engines = list(_ENGINES.values())
+    kv = sum(e.kv_bytes() for e in engines if hasattr(e, "kv_bytes"))
+    return (sum(e.stats.busy_s for e in engines), sum(e.stats.running for e in engines),
+            sum(e.stats.waiting for e in engines), kv)
+
+
 def recent_steps() -> list:
     """The shapes of the last steps of this process's step loops (``StepEngine.recent``), oldest first."""
     with _LOCK:

@@ -45,6 +45,9 @@ COUNTERS = (
     "bytes_evicted",
     "evictions_regretted",  # evicted blocks that were computed (or loaded) again later: the budget's misses
     "preemptions",  # waiting KV tasks the budget failed with KVPreempted to break a deadlock (their level is redone)
+    "spills",  # pinned blocks the budget moved to a worker's spill disk to admit an older run's task (kept, not redone)
+    "bytes_spilled",
+    "bytes_read_back",  # spilled blocks admitted tasks read back into memory
     "store_writes",  # blocks workers wrote to the persistent store
     "store_bytes_written",
     "store_loads",  # blocks loaded from the store instead of prefilled

@@ -304,10 +304,13 @@ async def test_a_workflow_runs_later_tasks_go_before_runs_that_began_after_it(c,
     assert len(await other) == 500
 
 
-@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
-async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_that_holds_nothing(c, s, a, b):
-    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
-    token = await login(c)
+NO_SPILL_DISK = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False}
+
+
+async def _three_runs_on_a(c, s, token, a, b) -> dict:
+    """run-old and run-mid each pin 400 bytes of 1000 on ``a`` (a live state), a lookup no run
+    claims pins 100 more; b is full. Then a task of each run, run-new last, is parked on a.
+    -> run -> its parked task."""
     _full_b = await _pinned(c, token, b.address, 950)  # nothing waiting fits on b either
     blocks = {}
     for run in ("run-old", "run-mid"):  # each run's live state pins 400 bytes on a
@@ -319,10 +322,37 @@ async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_
     loose = submit_block(c, token, a.address, 100)  # held by a lookup no run claims: nobody's to free
     await loose
     await c.scheduler.kv_acquire(session=token, keys=[loose.key])
-    queued = {}
+    queued = {"blocks": blocks, "held": (_full_b, loose)}
     for run, nbytes in (("run-old", 400), ("run-mid", 300), ("run-new", 100)):  # in this order of arrival
         queued[run] = submit_compute(c, token, a.address, kv_value, nbytes, kv_out=nbytes, flow=run)
         await until(lambda: state_of(s, queued[run].key) == "no-worker", what=f"{run}'s task to be parked")
+    return queued
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
+async def test_a_blocked_line_spills_the_youngest_idle_run_holding_kv_there_and_nothing_is_redone(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    await until(lambda: plugin.tiers.can_spill(a.address), what="a's report that it keeps a spill disk")
+    queued = await _three_runs_on_a(c, s, token, a, b)
+    mid_block = queued["blocks"]["run-mid"].key
+    assert len(await queued["run-old"]) == 400  # admitted once run-mid's block went to disk
+    [sp] = events(plugin, "spill")
+    assert (sp["worker"], sp["blocks"], sp["nbytes"]) == (a.address, 1, 400)
+    assert mid_block in a.data.slow and plugin.tiers.spilled_on(mid_block, a.address)
+    assert not events(plugin, "preempt")
+    assert plugin.budget.awaiting_admission(queued["run-mid"].key)  # still in line, its block kept
+    counters = (await c.scheduler.kv_counters(session=token))["counters"]
+    assert (counters["spills"], counters["bytes_spilled"]) == (1, 400)
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}) | NO_SPILL_DISK)
+async def test_a_deadlock_preempts_the_youngest_run_that_holds_kv_there_not_one_that_holds_nothing(c, s, a, b):
+    """Without a spill disk the budget's last resort is preemption (the level is redone)."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    queued = await _three_runs_on_a(c, s, token, a, b)
+    assert not plugin.tiers.can_spill(a.address) and not events(plugin, "spill")
     with pytest.raises(KVPreempted, match="a waiting workflow holding KV there"):
         await queued["run-mid"]  # run-new is younger but holds nothing: preempting it frees nothing
     [pre] = events(plugin, "preempt")
