@@ -9,8 +9,8 @@ whether every output was exact; then each metric's median over the runs of each 
 runs of one side must share a commit, and every run the host, unless ``--across-commits`` /
 ``--across-hosts`` (runs made before results recorded their commit need the first).
 
-    python benchmarks/rebuild_ab.py --old benchmarks/results/archive/bench_rebuild_old_{1,2}.json \\
-        --new benchmarks/results/archive/bench_rebuild_new_{1,2}.json --across-commits \\
+    python benchmarks/rebuild_ab.py --old benchmarks/results/archive/bench_rebuild_old_{1,2,3}.json \\
+        --new benchmarks/results/bench_rebuild_new_{1,2,3}.json --across-commits \\
         --out benchmarks/results/rebuild_ab.json
 """
 
