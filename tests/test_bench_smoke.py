@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from daskflow_kv.bench import plan
+from daskflow_kv.bench import plan, provenance
 from daskflow_kv.bench.run import main as bench_main
 
 
@@ -86,6 +86,7 @@ def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
         assert col in e3, col
     md = (tmp_path / "SUMMARY_t.md").read_text()
     assert "matched text replay token for token" in md and "## Targets" in md
+    assert f"Provenance: {provenance.describe(doc)}" in md and f"host `{doc['machine']['host_id']}`" in md
 
 
 def by_k(runs, k, system, phase):

@@ -211,3 +211,13 @@ def test_the_ab_tools_refuse_runs_of_other_commits_or_hosts_unless_told(tmp_path
     with pytest.raises(SystemExit):  # one side's runs of unknown commits are not pooled unasked
         rebuild_ab.main(["--old", str(a), str(legacy), "--new", str(b), "--out", str(out)])
     assert "--across-commits" in capsys.readouterr().err
+
+
+def test_a_result_is_described_in_one_line_by_its_commit_tree_and_host():
+    clean = {"provenance": {"commit": "c" * 40, "dirty": False, "dirty_files": [], "host": {"id": "h1"}}}
+    assert provenance.describe(clean) == f"commit `{'c' * 12}` (a clean tree); host `h1`"
+    dirty = {"provenance": {"commit": "c" * 40, "dirty": True, "dirty_files": list("abcdef"), "dirty_count": 9,
+                            "host": {"id": "h1"}}}
+    assert provenance.describe(dirty) == f"commit `{'c' * 12}` (9 files changed: a, b, c, d, e, ...); host `h1`"
+    assert provenance.describe({"machine": {"cpu": "x", "cores": 2, "memory_bytes": 2**30}}).startswith(
+        "commit not recorded; host `")

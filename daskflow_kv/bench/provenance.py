@@ -162,6 +162,19 @@ def origin(doc: dict) -> tuple[str | None, str | None]:
     return commit, h
 
 
+def describe(doc: dict) -> str:
+    """One line for a result's reader: its commit, whether its tree was clean, its host."""
+    p = doc.get("provenance") or {}
+    commit, h = origin(doc)
+    if not commit:
+        return f"commit not recorded; host `{h}`"
+    changed = p.get("dirty_files") or []
+    tree = "a clean tree" if not p.get("dirty") else (
+        f"{p.get('dirty_count', len(changed))} files changed: " + ", ".join(changed[:5])
+        + (", ..." if p.get("dirty_count", len(changed)) > 5 else ""))
+    return f"commit `{p['commit'][:12]}` ({tree}); host `{h}`"
+
+
 def tag_rows(rows: list[dict]) -> list[dict]:
     """Each row not yet tagged gets this process's origin, ``<commit>@<host id>``, so rows
     pooled from several runs can be told apart (``summary.summarize`` refuses a mix)."""
