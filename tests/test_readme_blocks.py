@@ -156,3 +156,16 @@ def test_a_bench_run_of_some_experiments_rewrites_only_the_headline():
 
     assert readme_blocks_of({"experiments": [1, 7]}) == rb.HEADLINE_MARKERS
     assert readme_blocks_of({"experiments": list(range(1, 9))}) is None
+
+
+def test_rows_of_two_commits_are_not_rendered_as_one_run_unless_told(tmp_path, capsys):
+    """A JSON whose runs were pooled from two commits is refused in one line, not summarized."""
+    readme, _ = _tree(tmp_path)
+    doc, _ = _published()
+    runs = [dict(r, origin=f"{'a' * 12 if i % 2 else 'b' * 12}@h1") for i, r in enumerate(doc["runs"])]
+    pooled = tmp_path / "pooled.json"
+    pooled.write_text(json.dumps({k: v for k, v in doc.items() if k not in ("summary", "targets")} | {"runs": runs}))
+    assert rb.main([str(pooled), "--readme", str(readme), "--only", "headline"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--across-commits" in err and "STALE-BLOCK" in readme.read_text()
+    assert rb.main([str(pooled), "--readme", str(readme), "--only", "headline", "--across-commits"]) == 0

@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("run_json", help="a bench_<tag>.json written by `daskflow-kv bench`")
     ap.add_argument("--readme", required=True, help="as for `daskflow-kv bench --readme`")
     ap.add_argument("--only", choices=("headline", "results"), help="rewrite only this kind of block")
+    ap.add_argument("--across-commits", action="store_true", help="summarize rows of different commits together")
+    ap.add_argument("--across-hosts", action="store_true", help="summarize rows of different hosts together")
     args = ap.parse_args(argv)
     try:
         path = Path(validation.readable_file("run_json", args.run_json))
@@ -260,11 +262,11 @@ def main(argv=None) -> int:
         if not doc.get("runs"):
             raise InvalidInputError(f"{str(path)!r} holds no runs to render")
         readme_files(args.readme)
+        # the medians as the run summarized them (its targets too: readme_table reads doc["targets"])
+        summary = doc.get("summary") or summarize(doc["runs"], args.across_commits, args.across_hosts)
     except (InvalidInputError, ValueError) as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
-    # the medians as the run summarized them (its targets too: readme_table reads doc["targets"])
-    summary = doc.get("summary") or summarize(doc["runs"])
     only = {"headline": HEADLINE_MARKERS, "results": RESULTS_MARKERS}.get(args.only)
     for line in update_readmes(args.readme, doc, summary, path, summary_file(path.parent, doc["tag"]), only):
         print(line)
