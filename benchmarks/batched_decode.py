@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from daskflow_kv.bench import provenance
 from daskflow_kv.engine import Engine
 
 TOPICS = [
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
+    out.write_text(json.dumps(provenance.stamp(doc), indent=2))
     print(f"\nwrote {out} in {doc['total_s']:.0f} s")
     return 0 if all(r["tokens_agree"] for r in results) else 1
 

@@ -7,10 +7,12 @@ per run, the CPU it ran on, daskflow-kv over `local` per stream and rep, daskflo
 prefilled and rebuild decisions (``recompute``), and the median decode-only step (no prompt,
 no join, no exit, nothing loaded) by decode rows, per system. Decode is the same work in both
 systems, so a host whose decode steps are slower shrinks the ratio; an A/B of two commits
-on one host, alternated, tells the code apart from the host.
+on one host, alternated, tells the code apart from the host. Runs of different commits or
+hosts are refused (one line) unless ``--across-commits`` / ``--across-hosts`` says the
+comparison is meant (an A/B of two commits is).
 
-    python benchmarks/exp7_ab.py benchmarks/results/bench_ab_{old,new}_{1,2}.json \\
-        --out benchmarks/results/exp7_ab.json
+    python benchmarks/exp7_ab.py benchmarks/results/archive/bench_ab_{old,new}_{1,2}.json \\
+        --across-commits --out benchmarks/results/exp7_ab.json
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from daskflow_kv.bench import provenance
 from daskflow_kv.sim.step_cost import row_steps
 
 BUCKETS = ((1, 2), (3, 5), (6, 8), (9, 10**6))  # decode rows of a step, grouped
@@ -41,8 +44,8 @@ def decode_only_steps(row: dict) -> dict[str, list[float]]:
     return out
 
 
-def read_run(path: Path) -> dict:
-    doc = json.loads(path.read_text())
+def read_run(path: Path, doc: dict | None = None) -> dict:
+    doc = doc if doc is not None else json.loads(path.read_text())
     rows = [r for r in doc["runs"] if r.get("exp") == "exp7"]
     by = {(r["stream"], r["rep"], r["system"]): r for r in rows}
     reps = []
@@ -66,11 +69,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="bench JSONs with exp 7 rows")
     ap.add_argument("--out", type=Path, help="write the table as JSON here")
+    ap.add_argument("--across-commits", action="store_true", help="compare runs of different commits (an A/B)")
+    ap.add_argument("--across-hosts", action="store_true", help="compare runs made on different hosts")
     args = ap.parse_args(argv)
     missing = [str(p) for p in args.runs if not p.is_file()]
     if missing:
         ap.error(f"no such file: {', '.join(missing)}")
-    out = [read_run(p) for p in args.runs]
+    docs = {p: json.loads(p.read_text()) for p in args.runs}
+    try:
+        provenance.check([(p.name, d) for p, d in docs.items()], args.across_commits, args.across_hosts)
+    except provenance.IncomparableResults as e:
+        ap.error(str(e))
+    out = [read_run(p, d) for p, d in docs.items()]
     for run in out:
         print(f"{run['file']}  ({run['cpu']})")
         for r in run["reps"]:
@@ -79,8 +89,8 @@ def main(argv=None) -> int:
         print("  decode-only steps, ms (median):",
               ", ".join(f"{k} {v['median']:.0f}" for k, v in run["decode_only_step_ms"].items()))
     if args.out:
-        args.out.write_text(json.dumps({"command": "python benchmarks/exp7_ab.py " + " ".join(
-            f"benchmarks/results/{p.name}" for p in args.runs), "runs": out}, indent=1) + "\n")
+        args.out.write_text(json.dumps(provenance.stamp({"command": "python benchmarks/exp7_ab.py " + " ".join(
+            f"benchmarks/results/{p.name}" for p in args.runs), "runs": out}), indent=1) + "\n")
     return 0
 
 

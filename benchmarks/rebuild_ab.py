@@ -5,10 +5,13 @@ lineage is prefilled again, planned, under a fresh key, where Dask used to rerun
 task that first made it). The two commits ran alternated on one host, so the host's drift
 falls on both. Per run and workflow gate: throughput, p95 latency, the prompt tokens its
 workers computed and those its workflows counted, blocks Dask made again from lineage, and
-whether every output was exact; then each metric's median over the runs of each side.
+whether every output was exact; then each metric's median over the runs of each side. The
+runs of one side must share a commit, and every run the host, unless ``--across-commits`` /
+``--across-hosts`` (runs made before results recorded their commit need the first).
 
-    python benchmarks/rebuild_ab.py --old benchmarks/results/bench_rebuild_old_{1,2}.json \\
-        --new benchmarks/results/bench_rebuild_new_{1,2}.json --out benchmarks/results/rebuild_ab.json
+    python benchmarks/rebuild_ab.py --old benchmarks/results/archive/bench_rebuild_old_{1,2,3}.json \\
+        --new benchmarks/results/bench_rebuild_new_{1,2,3}.json --across-commits \\
+        --out benchmarks/results/rebuild_ab.json
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import json
 import statistics
 from pathlib import Path
 
+from daskflow_kv.bench import provenance
+
 METRICS = ("completed_per_min", "latency_p95_s", "tokens_prefilled", "tokens_counted", "lineage_recomputes")
 
 
-def rows_of(path: Path) -> list[dict]:
+def rows_of(path: Path, doc: dict) -> list[dict]:
     """The daskflow-kv exp 7 rows of one run, the metrics and what tells them apart."""
-    doc = json.loads(path.read_text())
     out = []
     for r in doc["runs"]:
         if r.get("exp") == "exp7" and r["system"] == "dkv":
@@ -50,13 +54,22 @@ def main(argv=None) -> None:
     p.add_argument("--old", nargs="+", type=Path, required=True, help="bench JSONs of the code before")
     p.add_argument("--new", nargs="+", type=Path, required=True, help="bench JSONs of the code after")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--across-commits", action="store_true", help="pool runs of different commits within a side")
+    p.add_argument("--across-hosts", action="store_true", help="compare runs made on different hosts")
     args = p.parse_args(argv)
     for f in args.old + args.new:
         if not f.is_file():
             p.error(f"{f}: no such file")
-    sides = {side: [r for f in files for r in rows_of(f)] for side, files in (("old", args.old), ("new", args.new))}
+    docs = {f: json.loads(f.read_text()) for f in args.old + args.new}
+    try:
+        for files in (args.old, args.new):  # each side one commit; every run one host
+            provenance.check([(f.name, docs[f]) for f in files], args.across_commits, across_hosts=True)
+        provenance.check([(f.name, d) for f, d in docs.items()], across_commits=True, across_hosts=args.across_hosts)
+    except provenance.IncomparableResults as e:
+        p.error(str(e))
+    sides = {side: [r for f in files for r in rows_of(f, docs[f])] for side, files in (("old", args.old), ("new", args.new))}
     doc = {"runs": sides, "medians": {side: medians(rows) for side, rows in sides.items()}}
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    args.out.write_text(json.dumps(provenance.stamp(doc), indent=1) + "\n")
     for side, rows in sides.items():
         for r in rows:
             print(f"{side} {r['file']:28s} gate {str(r['gate']):5s} {r['completed_per_min']:5.1f}/min "

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from daskflow_kv.bench import provenance
 from daskflow_kv.sim import fitted_profile, simulate_grid
 from daskflow_kv.sim.report import ratios
 from daskflow_kv.sim.whatif import each_at_its_best
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
               "seeds": args.seeds, "gate_sweep": gate_sweep, "best_gates": best, "shape_sweep": shape_sweep,
               "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(provenance.stamp(result), indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')} in {result['wall_s']:.0f} s", file=sys.stderr)
     return 0

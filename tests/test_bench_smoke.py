@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from daskflow_kv.bench import plan
+from daskflow_kv.bench import plan, provenance
 from daskflow_kv.bench.run import main as bench_main
 
 
@@ -39,7 +39,11 @@ def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
         assert (tmp_path / "bench_t_exp2_wall.png").stat().st_size > 0
     doc = json.loads((tmp_path / "bench_t.json").read_text())
     assert doc["command"].endswith("--warm") and doc["machine"]["cores"]
+    # its provenance: the host (the same id in machine and provenance), the commit, every row's origin
+    assert doc["provenance"]["host"]["id"] == doc["machine"]["host_id"] and doc["provenance"]["command"] == doc["command"]
+    assert doc["provenance"]["commit"] is None or f"Measured at commit `{doc['provenance']['commit'][:7]}`" in headline
     runs = doc["runs"]
+    assert all(r["origin"].endswith("@" + doc["machine"]["host_id"]) for r in runs)
     assert not [r for r in runs if r.get("error")]
     assert {(r["system"], r["phase"]) for r in runs} == {(s, p) for s in ("text", "hf", "local", "dkv")
                                                          for p in ("cold", "warm")} - {("text", "warm")}
@@ -82,6 +86,7 @@ def test_bench_smoke_writes_results_and_outputs_agree(tmp_path):
         assert col in e3, col
     md = (tmp_path / "SUMMARY_t.md").read_text()
     assert "matched text replay token for token" in md and "## Targets" in md
+    assert f"Provenance: {provenance.describe(doc)}" in md and f"host `{doc['machine']['host_id']}`" in md
 
 
 def by_k(runs, k, system, phase):

@@ -5,10 +5,13 @@ benchmarks/README.md names a file that exists (and a heading of it, when it has 
 anchor); every Python example that starts a local cluster has the main guard (without it
 multiprocessing's spawn re-imports the script in each worker and the cluster fails with
 "Nanny failed to start"); README keeps the two set-up commands CI and the demo rely on.
+The results tree holds what the pages cite: every result a page cites exists, and every file
+at the top of benchmarks/results/ is cited by a page (the rest is history, in archive/).
 """
 
 from __future__ import annotations
 
+import glob
 import re
 from pathlib import Path
 
@@ -85,3 +88,52 @@ def test_readme_is_a_front_door_with_the_set_up_commands():
         if page.name != "index.md":
             assert f"(docs/{page.name})" in text, f"README does not link {page.name}"
     assert "(benchmarks/README.md)" in text
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+SPAN = re.compile(r"`([^`\s]+)`")
+
+
+def _expand(pattern: str) -> list[str]:
+    """``a_{1,2}.json`` -> ``a_1.json``, ``a_2.json`` (as a shell expands braces)."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m.group(1).split(",") for x in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def _cited_results(page: Path) -> tuple[list[str], set[Path]]:
+    """What a page cites of benchmarks/results/: (the patterns it names by path that match no
+    file, the files it cites). A page cites a result by a link to it, by a code span holding its
+    path (``results/x.json`` or ``benchmarks/results/x.json``; ``*`` and ``{a,b}`` allowed), or by
+    a code span holding only a result's file name. Commands name files they write; a path inside
+    a longer code span is not a citation."""
+    text = _prose(page.read_text())
+    paths = [str((page.parent / t.partition("#")[0]).resolve()) for t in LINK.findall(text)
+             if not re.match(r"^[a-z]+:", t) and t.partition("#")[0]]
+    names = []
+    for span in SPAN.findall(text):
+        if re.match(r"(benchmarks/)?results/", span):
+            paths.append(str(ROOT / "benchmarks" / span.removeprefix("benchmarks/")))
+        elif "/" not in span and re.search(r"\.(json|md|csv|png)$", span):
+            names += [str(RESULTS / span), str(RESULTS / "archive" / span)]
+    missing, files = [], set()
+    for pattern in (p for x in paths for p in _expand(x) if p.startswith(str(RESULTS) + "/")):
+        hits = glob.glob(pattern)
+        if not hits:
+            missing.append(str(Path(pattern).relative_to(ROOT)))
+        files |= {Path(h) for h in hits}
+    files |= {Path(h) for x in names for p in _expand(x) for h in glob.glob(p)}
+    return missing, files
+
+
+def test_every_cited_result_exists_and_every_kept_result_is_cited():
+    cited, missing = set(), []
+    for page in PAGES:
+        gone, files = _cited_results(page)
+        missing += [f"{page.relative_to(ROOT)}: {m}" for m in gone]
+        cited |= files
+    assert not missing, "cited but not in benchmarks/results/: " + "; ".join(missing)
+    uncited = sorted(f.name for f in RESULTS.iterdir() if f.is_file() and f not in cited)
+    assert not uncited, (f"benchmarks/results/ keeps {len(uncited)} files no page cites (cite them, or git mv them "
+                         f"to benchmarks/results/archive/): {', '.join(uncited[:20])}")

@@ -1,7 +1,9 @@
 """The generated blocks of README.md and benchmarks/README.md. Pure: no cluster, no model.
 
 The committed blocks must be exactly what ``readme_blocks`` renders from the published
-run's JSON (nothing hand-typed); one ``--readme README.md`` rewrites README's headline and
+run's JSON (nothing hand-typed); README's headline names every change to the measured code
+its run does not include (``measured_code``: a headline older than the code fails here
+until it is re-made, or re-rendered to list them); one ``--readme README.md`` rewrites README's headline and
 benchmarks/README.md's full block, with links relative to each file; a marker quoted in a
 sentence is not a block; a file with no block is refused before any run.
 """
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from daskflow_kv.bench import measured_code
 from daskflow_kv.bench import readme_blocks as rb
+from daskflow_kv.bench.provenance import git
 from daskflow_kv.bench.run import main as bench_main
 from daskflow_kv.errors import InvalidInputError
 
@@ -41,10 +45,34 @@ def test_committed_blocks_are_rendered_from_the_published_json():
     bench = (ROOT / "benchmarks" / "README.md").read_text()
     assert rb.blocks_in(readme) == [rb.HEADLINE_MARKERS] and rb.blocks_in(bench) == [rb.RESULTS_MARKERS]
     assert _block(bench, rb.RESULTS_MARKERS) == rb.readme_table(doc, summary, "results/SUMMARY.md").rstrip()
-    headline = _block(readme, rb.HEADLINE_MARKERS)
-    [link] = set(re.findall(r"\]\((benchmarks/results/bench_[\w.-]+\.json)\)", headline))
-    hdoc = json.loads((ROOT / link).read_text())
-    assert headline == rb.headline_table(hdoc, hdoc["summary"], link).rstrip()
+    link, hdoc = _headline(readme)
+    code = measured_code.not_included(hdoc, ROOT / link)
+    assert _block(readme, rb.HEADLINE_MARKERS) == rb.headline_table(hdoc, hdoc["summary"], link, code).rstrip()
+
+
+def _headline(readme: str) -> tuple[str, dict]:
+    """README's headline block: the JSON it cites (its link) and that JSON."""
+    [link] = set(re.findall(r"\]\((benchmarks/results/bench_[\w.-]+\.json)\)", _block(readme, rb.HEADLINE_MARKERS)))
+    return link, json.loads((ROOT / link).read_text())
+
+
+@pytest.mark.skipif(git("rev-parse", "HEAD") is None, reason="not a git checkout: no history to read")
+def test_headline_names_every_change_to_the_measured_code_it_does_not_include():
+    """README's headline run measured one commit's code (recorded in its JSON; for a JSON from
+    before provenance, the commit that added it). Every later commit that changed the
+    measured code, and every measured file its tree had uncommitted, must be named in the
+    block; a headline re-made at HEAD on a clean tree names none and passes strictly."""
+    readme = (ROOT / "README.md").read_text()
+    block = _block(readme, rb.HEADLINE_MARKERS)
+    link, hdoc = _headline(readme)
+    code = measured_code.not_included(hdoc, ROOT / link)
+    assert code["commit"] is not None, f"{link}: {code['how']}"
+    assert code["later"] is not None, f"{link}: its commit {code['commit'][:7]} is not an ancestor of HEAD"
+    unnamed = [h for h, _ in code["later"] if f"`{h}`" not in block] + [f for f in code["uncommitted"]
+                                                                        if f"`{f}`" not in block]
+    assert not unnamed, (f"README's headline ({link}, measured at {code['commit'][:7]}) does not include "
+                         f"{', '.join(unnamed)}: re-make it at HEAD, or re-render it to name them "
+                         f"(python -m daskflow_kv.bench.readme_blocks {link} --readme README.md --only headline)")
 
 
 def test_headline_compares_with_the_best_baseline_and_names_missed_targets():
@@ -128,3 +156,16 @@ def test_a_bench_run_of_some_experiments_rewrites_only_the_headline():
 
     assert readme_blocks_of({"experiments": [1, 7]}) == rb.HEADLINE_MARKERS
     assert readme_blocks_of({"experiments": list(range(1, 9))}) is None
+
+
+def test_rows_of_two_commits_are_not_rendered_as_one_run_unless_told(tmp_path, capsys):
+    """A JSON whose runs were pooled from two commits is refused in one line, not summarized."""
+    readme, _ = _tree(tmp_path)
+    doc, _ = _published()
+    runs = [dict(r, origin=f"{'a' * 12 if i % 2 else 'b' * 12}@h1") for i, r in enumerate(doc["runs"])]
+    pooled = tmp_path / "pooled.json"
+    pooled.write_text(json.dumps({k: v for k, v in doc.items() if k not in ("summary", "targets")} | {"runs": runs}))
+    assert rb.main([str(pooled), "--readme", str(readme), "--only", "headline"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--across-commits" in err and "STALE-BLOCK" in readme.read_text()
+    assert rb.main([str(pooled), "--readme", str(readme), "--only", "headline", "--across-commits"]) == 0

@@ -138,7 +138,7 @@ def test_fidelity_prices_steps_held_out_and_says_how_fast_the_host_ran():
     """A run whose exp 7 rows recorded their steps (bench_exp7_fit.json): each row replays on
     step costs fitted without it, and carries the host's speed during the row and the same
     replay at that speed (the diagnostic that separates the host's drift from the model's work)."""
-    run = "benchmarks/results/bench_exp7_fit.json"
+    run = "benchmarks/results/archive/bench_exp7_fit.json"
     prof = fitted_profile(run).with_step_costs(run)
     rows = fidelity(run, prof)
     assert len(rows) == 12 and all(r["steps_priced_held_out"] for r in rows)
@@ -624,7 +624,7 @@ def test_the_model_holds_within_ten_percent_behind_the_gate_on_the_runtimes_rebu
 def test_simulate_reports_the_measured_run_to_run_difference_beside_the_fidelity(tmp_path):
     from daskflow_kv.sim.cli import main
 
-    first = Path("benchmarks/results/bench_headline.json")
+    first = Path("benchmarks/results/archive/bench_headline.json")
     data = json.loads(first.read_text())
     row = next(r for r in data["runs"] if r.get("exp") == "exp7" and r["system"] == "local")
     row["tokens_prefilled"] = round(row["tokens_prefilled"] * 1.25)  # the second run prefilled a quarter more
@@ -642,7 +642,7 @@ def test_simulate_reports_the_measured_run_to_run_difference_beside_the_fidelity
 def test_a_noisy_profile_scatters_each_steps_time_around_its_price_and_repeats_by_seed():
     """``SimProfile.noisy``: the scatter the measured steps show around the step-cost fit,
     drawn per step; the same seed draws the same run, the mean step keeps its price."""
-    run = "benchmarks/results/bench_exp7_fit.json"
+    run = "benchmarks/results/archive/bench_exp7_fit.json"
     prof = fitted_profile(run).with_step_costs(run)
     assert 0.0 < prof.step_scatter < 1.0 and prof.step_noise == 0.0
     wfs = exp7_stream(16, 60.0, 8, "zipf")
@@ -663,7 +663,7 @@ def test_the_draws_of_each_run_are_held_against_its_own_measurement(tmp_path):
     run's value; a ``local`` row's router prices as that run's did where it says."""
     from daskflow_kv.sim import ensemble
 
-    run = "benchmarks/results/bench_exp7_fit.json"
+    run = "benchmarks/results/archive/bench_exp7_fit.json"
     prof = fitted_profile(run).with_step_costs(run)
     data = json.loads(Path(run).read_text())
     dear = {w: {"a": 0.0, "b": 1.0, "c": 0.0} for w in data["calibration"]["prefill_profiles"]}
@@ -699,7 +699,7 @@ def test_a_local_row_is_replayed_with_the_profiles_its_router_priced_with(tmp_pa
     from daskflow_kv.sim.profile import router_profiles
     from daskflow_kv.sim.report import replays
 
-    run = "benchmarks/results/bench_exp7_fit.json"
+    run = "benchmarks/results/archive/bench_exp7_fit.json"
     prof = fitted_profile(run).with_step_costs(run)
     data = json.loads(Path(run).read_text())
     assert "dkv" in data["config"]["systems"]  # daskflow-kv's prefills refitted the profiles: unknown
@@ -736,7 +736,7 @@ def test_a_local_row_is_replayed_with_the_profiles_its_router_priced_with(tmp_pa
 def test_the_bench_recorded_its_routers_calibration_where_the_replay_assumes_it():
     """The fallback's premise, on a real run: a local-only exp 7 run's router priced with its
     calibration (the run recorded both)."""
-    data = json.loads(Path("benchmarks/results/bench_exp7_local_router.json").read_text())
+    data = json.loads(Path("benchmarks/results/archive/bench_exp7_local_router.json").read_text())
     rows = [r for r in data["runs"] if r.get("exp") == "exp7"]
     assert rows and all(r["router_profiles"] == {w: {k: p[k] for k in "abc"} for w, p in
                                                  data["calibration"]["prefill_profiles"].items()} for r in rows)
@@ -745,7 +745,7 @@ def test_the_bench_recorded_its_routers_calibration_where_the_replay_assumes_it(
 def test_simulate_refuses_draws_it_cannot_take_in_one_line(tmp_path, capsys):
     from daskflow_kv.sim.cli import main
 
-    run = "benchmarks/results/bench_exp7_fit.json"
+    run = "benchmarks/results/archive/bench_exp7_fit.json"
     elsewhere = str(_bench(tmp_path / "no_rows.json", []))
     for argv in (["--draws", "5"],  # no step costs from a bench JSON: no measured scatter
                  ["--draws-against", run],  # without --draws

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from .. import validation
-from .common import machine_info
+from .common import machine_info, write_json
 from ..policy.cost_model import PrefillProfile, PrefillSample, calibration_lengths, fit_prefill_profile
 
 SHAPES = ((1024, 0), (64, 1024), (32, 0))  # (new tokens, cached prefix): a document, a continuation, a short prompt
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             print(json.dumps({k: rows[-1][k] for k in ("trial", "worker", "first_round", "all_rounds")}), flush=True)
     doc = {"command": "python -m daskflow_kv.bench.calibration_spread " + " ".join(sys.argv[1:] if argv is None else argv),
            "config": vars(a) | {"out": str(a.out)}, "machine": machine_info(), "rows": rows, "spread": spread(rows)}
-    a.out.write_text(json.dumps(doc, indent=1))
+    write_json(a.out, doc)
     for k, v in doc["spread"].items():
         print(f"{k:>24}: {v['min_s']:.3f}-{v['max_s']:.3f} s, spread {v['spread']:.2f}x")
     return 0

@@ -1,8 +1,8 @@
 """Plumbing shared by the benchmarks: machine info, result files, progress, statistics.
 
-Nothing here knows about KV state; ``benchmarks/transfer_and_fork.py`` and ``bench.run``
-both write their results through ``write_results`` so every file carries the machine it
-ran on and the exact command that produced it.
+Nothing here knows about KV state. Every benchmark writes its results through
+``write_json``, which stamps them with their provenance (``provenance.stamp``: the commit,
+the host, the libraries, the command and its wall time).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from . import provenance
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -34,19 +36,10 @@ def command_line(prog: str | None = None, argv: Sequence[str] | None = None) -> 
     return " ".join([head, *(shlex.quote(a) for a in args)])
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict:
-    """CPU, cores, memory, load and library versions: enough to judge a timing."""
+    """CPU, cores, memory, load and library versions: enough to judge a timing. ``host_id``
+    is the host's fingerprint (``provenance.host``), the same in every process; ``commit``
+    the checkout's HEAD, read here, at the run's start (``provenance.git_state``)."""
     import dask
     import distributed
     import torch
@@ -59,7 +52,7 @@ def machine_info() -> dict:
     except Exception:  # noqa: BLE001 -- psutil is a distributed dependency; info is optional anyway
         mem = None
     return {
-        "cpu": _cpu_model(),
+        "cpu": provenance.host()["cpu"],
         "cores": os.cpu_count(),
         "memory_bytes": mem,
         "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -70,7 +63,8 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "dask": dask.__version__,
         "distributed": distributed.__version__,
-        "hostname_hash": hash(platform.node()) & 0xFFFF,  # distinguishes machines without naming them
+        "host_id": provenance.host()["id"],
+        "commit": provenance.git_state()["commit"],
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -89,6 +83,8 @@ def _clean(x):
 
 
 def write_json(path: Path, doc: dict) -> Path:
+    """``doc`` as JSON at ``path``, stamped with its provenance (``provenance.stamp``)."""
+    provenance.stamp(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_clean(doc), indent=2))
     return path

@@ -17,6 +17,8 @@ import re
 import time
 from pathlib import Path
 
+from . import provenance
+
 SCHEMA = 1
 TARGETS = {"agree": True, "min_cupy_ratio": 0.9, "host_staging": False}
 
@@ -78,7 +80,7 @@ class GpuReport:
     def save(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(_clean(self.doc), indent=2) + "\n")
+        tmp.write_text(json.dumps(_clean(provenance.stamp(self.doc)), indent=2) + "\n")
         os.replace(tmp, self.path)  # readers never see half a file
         return self.path
 

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Self
 
+from . import provenance
+
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
@@ -221,12 +223,12 @@ def child(args) -> int:
                         f"({row['transfer_gbps'] * 8000:.0f} Mbit/s) recompute {row['recompute_s']:.3f}s; "
                         f"model {row['model_action']} (probe bw: {row.get('probe_model_action')}) "
                         f"runtime {row.get('runtime_action')} faster {row['faster']}")
-                    Path(args.out).write_text(json.dumps(doc, default=str))
+                    Path(args.out).write_text(json.dumps(provenance.stamp(doc), default=str))
     except Exception as e:  # noqa: BLE001 -- report what was measured, with the reason it stopped
         doc["error"] = f"{type(e).__name__}: {e}"
         log(f"  netem child failed: {doc['error']}")
     finally:
-        Path(args.out).write_text(json.dumps(doc, default=str))
+        Path(args.out).write_text(json.dumps(provenance.stamp(doc), default=str))
         for p in procs:
             p.terminate()
         for p in procs:

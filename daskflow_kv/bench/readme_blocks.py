@@ -6,6 +6,8 @@ Each block sits between its own pair of markers in a markdown file: the full res
 it from the run it has just made; ``python -m daskflow_kv.bench.readme_blocks RUN.json
 --readme README.md`` renders the same blocks from a saved run without measuring again.
 Every figure comes from the run's summary rows (``summary.summarize``), nothing modeled.
+The headline names the commit its run measured and every later change to the measured code
+it does not include (``measured_code``), read from git when the block is rendered.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from .. import validation
 from ..errors import InvalidInputError
+from . import measured_code
 from .common import summary_file
 from .report_md import _find, _points, _table, _val
 from .summary import POINT_KEY, SUBJECT, best_baseline, exp3_errors, gain, summarize, targets, upgrade
@@ -72,7 +75,8 @@ def update_readmes(readme, doc: dict, summary: list[dict], json_path, summary_pa
             continue
         for pair in found:
             block = (readme_table(doc, summary, _relative(summary_path, path)) if pair == RESULTS_MARKERS
-                     else headline_table(doc, summary, _relative(json_path, path)))
+                     else headline_table(doc, summary, _relative(json_path, path),
+                                         measured_code.not_included(doc, json_path)))
             text = _replace_block(text, pair, block)
         path.write_text(text)
         done.append(f"{path}: {', '.join(start for start, _ in found)} rewritten")
@@ -176,10 +180,34 @@ def _host(machine: dict) -> str:
     return f"{cpu} ({machine['cores']} cores)" if cpu else f"{machine['cores']} cores"
 
 
-def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/results/bench_full.json") -> str:
+def code_line(code: dict | None) -> str:
+    """The code a headline's run measured and what it does not include
+    (``measured_code.not_included``); empty when not given."""
+    if code is None:
+        return ""
+    commit, later, dirty = code["commit"], code["later"], code["uncommitted"]
+    if commit is None:
+        return f"The code it measured is not known: {code['how']}."
+    text = (f"Measured at commit `{commit[:7]}`" if code["how"] == "recorded" else
+            f"Its JSON records no commit; it came into the repository with `{commit[:7]}`, so it measured code "
+            "no newer than that")
+    if dirty:
+        text += f", with uncommitted changes to {', '.join(f'`{f}`' for f in dirty)}"
+    if later is None:
+        return text + f"; `{commit[:7]}` is not an ancestor of this checkout: later changes not known."
+    if not later:
+        return text + "; no later change to the measured code (daskflow_kv/ and plugins/, less what only reads " \
+                      "results)."
+    return (text + f". Later changes to the measured code (daskflow_kv/ and plugins/, less what only reads "
+            f"results) not included ({len(later)}): " + "; ".join(f"`{h}` ({s})" for h, s in later) + ".")
+
+
+def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/results/bench_full.json",
+                   code: dict | None = None) -> str:
     """The top-level README's headline: mean TTFT cold and warm at the shortest and longest
     context and the stream's throughput, each against the best baseline at that point; then
-    agreement and the targets. Every figure from this run (``json_link``: its JSON)."""
+    agreement and the targets. Every figure from this run (``json_link``: its JSON); ``code``:
+    the code it measured and what it does not include (``code_line``)."""
     summary = upgrade(summary)
     cfg, m, model = doc["config"], doc["machine"], doc.get("model", {})
     body, named = [], {}  # the table's rows; the baselines it names (in order)
@@ -214,6 +242,8 @@ def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/
     lines += ["", _agreement(summary),
               "", f"Targets met: {sum(t['ok'] is True for t in ts)} of {len(ts)}"
               + ("; missed: " + "; ".join(f"{t['target']} ({t['detail']})" for t in missed) if missed else "") + "."]
+    if code is not None:
+        lines += ["", code_line(code)]
     return "\n".join(lines) + "\n"
 
 
@@ -223,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("run_json", help="a bench_<tag>.json written by `daskflow-kv bench`")
     ap.add_argument("--readme", required=True, help="as for `daskflow-kv bench --readme`")
     ap.add_argument("--only", choices=("headline", "results"), help="rewrite only this kind of block")
+    ap.add_argument("--across-commits", action="store_true", help="summarize rows of different commits together")
+    ap.add_argument("--across-hosts", action="store_true", help="summarize rows of different hosts together")
     args = ap.parse_args(argv)
     try:
         path = Path(validation.readable_file("run_json", args.run_json))
@@ -230,11 +262,11 @@ def main(argv=None) -> int:
         if not doc.get("runs"):
             raise InvalidInputError(f"{str(path)!r} holds no runs to render")
         readme_files(args.readme)
+        # the medians as the run summarized them (its targets too: readme_table reads doc["targets"])
+        summary = doc.get("summary") or summarize(doc["runs"], args.across_commits, args.across_hosts)
     except (InvalidInputError, ValueError) as e:
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
-    # the medians as the run summarized them (its targets too: readme_table reads doc["targets"])
-    summary = doc.get("summary") or summarize(doc["runs"])
     only = {"headline": HEADLINE_MARKERS, "results": RESULTS_MARKERS}.get(args.only)
     for line in update_readmes(args.readme, doc, summary, path, summary_file(path.parent, doc["tag"]), only):
         print(line)

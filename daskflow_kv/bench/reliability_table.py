@@ -128,7 +128,8 @@ def render(results: Path = RESULTS_DIR) -> str:
         d = json.loads(path.read_text())
         row = next((f for stem, f in ROWS.items() if file.startswith(stem)), None)
         cells = row(d) if row else ["see JSON"] * 5
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | `{_command(d, script)}` → `{file}` |")
+        source = f"`{_command(d, script)}` → [{file}](../benchmarks/results/{file})"  # a link: the doc cites it
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {source} |")
     return "\n".join(lines)
 
 

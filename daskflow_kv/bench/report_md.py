@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import exp7_modeled
+from . import exp7_modeled, provenance
 from .common import mib
 from .exp7_why import why as exp7_why
 from .summary import (BASELINES, OVERHEAD_FIELDS, POINT_KEY, SUBJECT, exp3_errors, gain, saturation, targets,
@@ -289,6 +289,7 @@ def markdown(doc: dict, summary: list[dict]) -> str:
         f"{model.get('bytes_per_token')} KV bytes/token, {model.get('max_positions')} positions)  "),
         (f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
          f"dask {m['dask']}, distributed {m['distributed']}; load average at start {m.get('load_avg_at_start')}  "),
+        f"Provenance: {provenance.describe(doc)}  ",
         (f"Cluster: LocalCluster, {cfg['workers']} worker processes x 1 thread, TCP; total "
          f"{doc.get('total_s', 0):.0f} s ({timing or 'per experiment: -'})  "),
         (f"Repetitions per point: {cfg['reps']} (medians, spread min-max). Phases: {', '.join(cfg.get('phases', ['cold']))}. "

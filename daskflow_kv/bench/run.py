@@ -319,6 +319,7 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     """Experiments 1-7 on the local cluster (exp 3's throttled part runs elsewhere)."""
     from ..runtime.kv_runtime import KVRuntime
     from . import experiments as E
+    from . import provenance
     from . import systems as S
     from .common import Progress, log, write_json
 
@@ -361,6 +362,7 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
         t = time.time()
         fn()
         doc["timing"][name] = time.time() - t
+        provenance.tag_rows(doc["runs"])  # rows pooled with another run's are told apart
         write_json(partial, doc)
 
     try:

@@ -7,13 +7,16 @@ before its shared context was ready (``ttft_mean_s < shared_prefill_wall_s``) is
 bug, not a result: its speed is refused the same way (INVALID). So is an overhead (Omega)
 whose busiest worker computed for longer than the workflow's wall (``overhead_invalid``):
 requests batched together were summed (runs before ``common.busy_seconds``). ``targets``
-checks the benchmark issue's targets against the summary.
+checks the benchmark issue's targets against the summary. Rows of different commits or
+hosts (their ``origin``, ``provenance.tag_rows``) are not summarized together unless the
+caller allows it: the medians of a mix would hide what moved.
 """
 
 from __future__ import annotations
 
 import math
 
+from . import provenance
 from .common import median
 
 BASELINES = ("text", "hf", "local")
@@ -32,7 +35,10 @@ POINT_KEY = {"exp1": "context", "exp2": "k", "exp6": "workflow", "exp7": "point"
 PHASES = ("cold", "warm", "stream")
 
 
-def summarize(runs: list[dict]) -> list[dict]:
+def summarize(runs: list[dict], across_commits: bool = False, across_hosts: bool = False) -> list[dict]:
+    """Medians per point. Raises ``provenance.IncomparableResults`` (one line) for rows of
+    different commits or hosts, unless ``across_commits`` / ``across_hosts``."""
+    provenance.check_rows(runs, across_commits, across_hosts)
     groups: dict[tuple, list[dict]] = {}
     order = list(dict.fromkeys(r["system"] for r in runs))  # systems in the order they were given
     for r in runs:

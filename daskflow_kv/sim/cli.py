@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..bench import provenance
 from . import ensemble, repeatability
 from .plot import plot_ratios
 from .profile import PRESETS, ROUTER_PRICES, fitted_profile, preset_profile
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
                            "stream": "zipf-budget", "wall_s": r["sim_wall_s"], "target_s": 60.0}
     result["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=lambda x: None if isinstance(x, float)
+    out.with_suffix(".json").write_text(json.dumps(provenance.stamp(result), indent=1, default=lambda x: None if isinstance(x, float)
                                                    and math.isnan(x) else str(x)) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
     png = plot_ratios(result, out.with_suffix(".png")) if len(args.workers) > 1 else None
