@@ -42,7 +42,8 @@ from typing import NamedTuple
 from daskflow_kv import dask_internals as di
 from daskflow_kv.errors import KVBudgetError, KVPreempted
 from daskflow_kv.keys import CACHE_CLIENT, HOLD_WORKER, SPILL_OP
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, blocks_to_spill, make_room
+from daskflow_kv.policy.admission import (ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, blocks_to_spill, make_room,
+                                          spill_order)
 from daskflow_kv.policy.eviction import choose_victims
 from daskflow_kv.state.catalog import KVCatalog
 
@@ -223,6 +224,12 @@ class BudgetEnforcer:
                 out[h.target] = out.get(h.target, 0) + 1
         return out
 
+    def counted_by_worker(self) -> dict[str, tuple[int, int]]:
+        """Worker -> (KV bytes the budget counts in its memory, bytes reserved for running tasks)."""
+        now = time.time()
+        return {addr: (self._usage.usage(ws, now).used, self._reserved.get(addr, 0))
+                for addr, ws in self._scheduler.workers.items()}
+
     def forget_worker(self, worker: str) -> None:
         """``worker`` is gone: nothing is reserved there; parked tasks planned there go elsewhere."""
         self._over_budget.discard(worker)
@@ -304,7 +311,8 @@ class BudgetEnforcer:
 
     def _spill_for(self, lines: dict, blocked: dict, now: float, stimulus: str) -> bool:
         """For each blocked line, the room its oldest task lacks once every unpinned block is
-        evicted, taken from younger runs' pinned blocks that no running task reads: they go to
+        evicted, taken from pinned blocks that no running task reads - younger runs' first,
+        then its own run's, older runs' last (``policy.admission.spill_order``): they go to
         their worker's spill disk (``SPILL_OP``, sent before the task it makes room for) and no
         longer count. Their runs keep them; a task that reads one is admitted with room to
         read it back (``KVUsage.incoming``). -> whether anything was spilled."""
@@ -323,14 +331,12 @@ class BudgetEnforcer:
             lacking = _unfreeable(wu, self._reserved.get(worker, 0)) + need - budget
             if need <= 0 or lacking <= 0:
                 continue  # nothing asked there, or eviction alone makes the room
-            head_run, head_rank = _run_of(unit), _rank(unit)[0]
             pins = [(k, self._usage.held_bytes(tasks[k], ws), runs)
                     for k, _, runs in self._runs.pinned_blocks(worker, self._held) if k in tasks]
             ranks = {r: self._runs.rank_of(r) for _, _, runs in pins if runs for r in runs}
-            younger = sorted((r for r, at in ranks.items() if at is not None and at > head_rank and r != head_run),
-                             key=ranks.get, reverse=True)
+            order = spill_order(ranks, _run_of(unit), _rank(unit)[0])
             keep = frozenset(d.key for _, ts, _ in unit for d in ts.dependencies)
-            keys = blocks_to_spill(pins, younger, lacking, keep)
+            keys = blocks_to_spill(pins, order, lacking, keep)
             if not keys:
                 continue
             nbytes = sum(n for k, n, _ in pins if k in set(keys))
@@ -573,7 +579,7 @@ class BudgetEnforcer:
         action, victims, reason, worker, need = verdict
         if action == ADMIT:
             self._evict(worker, victims, stimulus)
-            back = self._read_back(ts, worker)
+            back = self._read_back(ts, worker, stimulus)
             need -= back  # counted where they are now: in the worker's memory
             held.worker, held.reserved = worker, need
             self._reserved[worker] = self._reserved.get(worker, 0) + need
@@ -584,18 +590,30 @@ class BudgetEnforcer:
             self._events.record("over-budget", held.namespace, worker=worker, key=str(key), reason=reason)
             di.fail_task(self._scheduler, key, KVBudgetError(reason), stimulus)
 
-    def _read_back(self, ts, worker: str) -> int:
+    def _read_back(self, ts, worker: str, stimulus: str) -> int:
         """``ts`` is admitted on ``worker``: its inputs on the spill disk there count as in
-        memory from now on (it reads them back as it starts). -> their bytes."""
+        memory from now on (it reads them back as it starts). -> their bytes. An input that
+        every holder has on disk is read back there too, to be sent (a peer's fetch loads it
+        into memory): it counts there at once, and that worker is trimmed to make room."""
         if self._tiers is None:
             return 0
-        keys = self._usage.spilled_inputs(ts, worker)
-        if not keys:
-            return 0
-        self._tiers.mark_loaded(worker, keys)
-        nbytes = sum(self._scheduler.tasks[k].get_nbytes() for k in keys if k in self._scheduler.tasks)
-        self._catalog.count("bytes_read_back", nbytes, self._catalog.namespace_of(keys[0]))
-        return nbytes
+        here = self._usage.spilled_inputs(ts, worker)
+        if here:
+            self._tiers.mark_loaded(worker, here)
+        tasks, back = self._scheduler.tasks, 0
+        for key in here:
+            back += tasks[key].get_nbytes()
+            self._catalog.count("bytes_read_back", tasks[key].get_nbytes(), self._catalog.namespace_of(key))
+        for d in ts.dependencies:
+            holders = [w.address for w in d.who_has or ()]
+            if worker in holders or not holders or not all(self._tiers.spilled_on(d.key, w) for w in holders):
+                continue
+            for w in holders:
+                self._tiers.mark_loaded(w, [d.key])
+                self._catalog.count("bytes_read_back", d.get_nbytes(), self._catalog.namespace_of(d.key))
+                if self._settings.kv_budget_bytes is not None:
+                    self._trim(w, self._scheduler.workers[w], self._settings.kv_budget_bytes, time.time(), stimulus)
+        return back
 
     # -- eviction ---------------------------------------------------------------------------------
     def _evict(self, addr: str, keys, stimulus: str) -> None:
@@ -613,6 +631,25 @@ class BudgetEnforcer:
             self._catalog.count("bytes_evicted", ts.get_nbytes(), namespace)
             self._events.record("evict", namespace, key=key, worker=addr, nbytes=ts.get_nbytes())
 
+    def _trim(self, addr: str, ws, budget: int, now: float, stimulus: str) -> list:
+        """Evict unpinned blocks on one worker until it is within the budget. -> evicted keys."""
+        wu = self._usage.usage(ws, now)
+        room = budget - self._reserved.get(addr, 0)
+        if wu.used <= room:
+            self._over_budget.discard(addr)
+            return []
+        plan = choose_victims(wu.blocks, wu.used, room, now, floors=self._quotas, held=wu.by_owner)
+        self._evict(addr, plan.victims, stimulus)
+        if plan.over_budget_pinned:
+            self._dirty = True  # check again: pinned blocks become evictable when released
+            if addr not in self._over_budget:
+                self._over_budget.add(addr)
+                logger.info("worker %s holds %d KV bytes, over its budget, all pinned", addr, plan.remaining_bytes)
+                self._events.record("over-budget", None, worker=addr, nbytes=plan.remaining_bytes)
+        else:
+            self._over_budget.discard(addr)
+        return list(plan.victims)
+
     def enforce(self, force: bool = False) -> list:
         """Admit what now fits, then trim every worker to the budget (retained blocks after
         their states were released). ``force``: check even if nothing changed. -> evicted keys."""
@@ -626,23 +663,7 @@ class BudgetEnforcer:
         stimulus = f"kv-evict-{now}"
         evicted = []
         for addr, ws in list(self._scheduler.workers.items()):
-            wu = self._usage.usage(ws, now)
-            room = budget - self._reserved.get(addr, 0)
-            if wu.used <= room:
-                self._over_budget.discard(addr)
-                continue
-            plan = choose_victims(wu.blocks, wu.used, room, now, floors=self._quotas, held=wu.by_owner)
-            self._evict(addr, plan.victims, stimulus)
-            evicted += plan.victims
-            if plan.over_budget_pinned:
-                self._dirty = True  # check again: pinned blocks become evictable when released
-                if addr not in self._over_budget:
-                    self._over_budget.add(addr)
-                    logger.info("worker %s holds %d KV bytes, over its budget, all pinned", addr,
-                                plan.remaining_bytes)
-                    self._events.record("over-budget", None, worker=addr, nbytes=plan.remaining_bytes)
-            else:
-                self._over_budget.discard(addr)
+            evicted += self._trim(addr, ws, budget, now, stimulus)
         self._evicting = {k for k in self._evicting if k in self._scheduler.tasks}  # dropped some other way
         self._flushed &= self._evicting
         return evicted

@@ -128,7 +128,12 @@ class KVWorkerPlugin(WorkerPlugin):
         these blocks to the spill disk now, before the task sent after this message starts,
         and say so at once. Only KV blocks; what is not here or not a block is ignored."""
         blocks = [k for k in keys if isinstance(k, str) and is_block(k)] if isinstance(keys, (list, tuple)) else []
-        di.spill_keys(self.worker, blocks)
+        moved = di.spill_keys(self.worker, blocks)
+        if len(moved) < len(blocks):  # the scheduler counted them gone: the report below corrects it
+            missing = [k for k in blocks if k not in moved]
+            logger.warning("daskflow-kv: %d of %d blocks the budget spilled were not in memory here (%d on disk "
+                           "already)", len(missing), len(blocks), sum(k in getattr(self.worker.data, "slow", ())
+                                                                      for k in missing))
         self._sent = None  # the whole list next, spilled or not: the scheduler counted on it
         self.worker.loop.add_callback(self.report)
 

@@ -1,6 +1,7 @@
 """Admission under the KV budget on plain numbers, with and without tenants' quotas. Pure policy."""
 
-from daskflow_kv.policy.admission import ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, make_room, runs_to_preempt
+from daskflow_kv.policy.admission import (ADMIT, FAIL, STUCK, WAIT, Room, Tenancy, admit, blocks_to_spill, make_room,
+                                          runs_to_preempt, spill_order)
 from daskflow_kv.policy.eviction import BlockUsage
 
 NOW = 1000.0
@@ -95,3 +96,20 @@ def test_otherwise_its_planned_worker_is_cleared_first_then_where_the_fewest_run
 def test_no_room_anywhere_that_younger_runs_can_free_gives_none():
     rooms = [Room("a", 300, [(400, frozenset({"mine"}))]), Room("b", 100, [(500, None)])]
     assert make_room(rooms, ["y1"]) is None
+
+
+# -- what a blocked line spills instead --------------------------------------------------------
+def test_spill_order_takes_younger_runs_first_then_the_waiting_run_then_older_ones():
+    ranks = {"old": 1.0, "mine": 2.0, "young": 3.0, "younger": 4.0, "idle": None}
+    assert spill_order(ranks, "mine", 2.0) == ["idle", "younger", "young", "mine", "old"]
+    assert spill_order({"old": 1.0}, "mine", 2.0) == ["old"]  # the waiting run pins nothing there
+
+
+def test_blocks_to_spill_frees_the_room_with_the_fewest_runs_and_keeps_what_the_task_reads():
+    pins = [("doc", 400, frozenset({"young", "mine"})), ("y1", 300, frozenset({"young"})),
+            ("m1", 200, frozenset({"mine"})), ("running", 900, None), ("view", 0, frozenset({"young"}))]
+    assert blocks_to_spill(pins, ["young", "mine"], 250) == ["y1"]  # young alone frees 300
+    assert blocks_to_spill(pins, ["young", "mine"], 600) == ["doc", "y1", "m1"]  # both go: the shared doc too
+    assert blocks_to_spill(pins, ["young", "mine"], 600, keep=frozenset({"doc"})) == []  # 500 is all there is
+    assert blocks_to_spill(pins, ["young"], 50) == ["y1"]  # a view of an output frees nothing: never listed
+    assert blocks_to_spill(pins, ["young", "mine"], 2000) == []  # a running task's block is never spilled

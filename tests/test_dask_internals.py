@@ -331,6 +331,25 @@ def test_spilled_keys_lists_what_the_spill_buffer_holds_on_disk(client, workers)
     assert client.run(written, workers=[a])[a] - before >= 8 << 16  # counted, though read back since
 
 
+def test_the_scheduler_spills_a_named_key_on_a_worker_through_its_stream(client, workers):
+    a, _ = workers
+    keep = client.submit(lambda: np.ones(1 << 14), key="internals-keep", workers=[a], pure=False)
+    x = client.submit(lambda: np.ones(1 << 16), key="internals-spill-named", workers=[a], pure=False)
+    wait([keep, x])
+
+    def install(dask_worker):
+        assert di.can_spill(dask_worker)
+        di.add_worker_stream_handlers(dask_worker, {"internals_spill": lambda keys=(), **_: di.spill_keys(
+            dask_worker, keys)})
+
+    client.run(install, workers=[a])
+    client.run_on_scheduler(lambda dask_scheduler: di.send_to_worker_stream(
+        dask_scheduler, a, {"op": "internals_spill", "keys": ["internals-spill-named", "internals-not-here"]}))
+    assert wait_until(lambda: client.run(lambda dask_worker: di.spilled_keys(dask_worker), workers=[a])[a]
+                      == ["internals-spill-named"])  # that key alone, the least recently used one stays
+    assert float(x.result(timeout=10).sum()) == 1 << 16  # read back from disk
+
+
 def test_call_scheduler_reaches_a_plugin_handler(client, workers):
     client.run_on_scheduler(lambda dask_scheduler: di.add_handlers(
         dask_scheduler, {"internals_echo": lambda worker=None, value=None: [worker, value]}))

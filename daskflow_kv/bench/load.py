@@ -29,11 +29,13 @@ import time
 
 import dask.config
 
-from ..flow.compiler import compile_workflow
+from ..flow.compiler import compile_workflow, group_by_prefix
 from ..flow.executor import run_state_mode, run_text_mode
+from ..flow.prompts import prompt_tokens
 from ..keys import PREFILL_TOPIC
 from ..stats import percentile
 from . import local_engine as le
+from .local_pool import group_need
 from . import pressure_trace, process_load
 from . import systems as S
 from .common import Progress, log
@@ -48,7 +50,23 @@ SATURATED = 0.8  # completions / offered rate below this: the system is saturate
 # the scheduler's counters a row records (``lineage_recomputes``: blocks Dask made again from
 # lineage, e.g. evicted between a lookup that found them and the task that read them)
 COUNTERS = ("transfers", "bytes_transferred", "evictions", "bytes_evicted", "evictions_regretted", "preemptions",
-            "lineage_recomputes", "tokens_computed")
+            "lineage_recomputes", "tokens_computed", "spills", "bytes_spilled", "bytes_read_back")
+
+
+def peak_level_tokens(cw, outputs: dict[str, str], tokenizer, block_size: int) -> int:
+    """The most KV tokens one level of a workflow holds at once when run alone: per group of
+    agents sharing a prefix, the prefix once, then each agent's copy of the prefix's partial
+    last block, its suffix and its answer (what both systems reserve: ``local_pool.group_need``,
+    ``runtime.submit.Submitter.out_bytes``). No system can run the workflow in less; a budget
+    below it fails the workflow (``outputs``: every agent's text, from a run of it)."""
+    wf, most = cw.workflow, 0
+    for names in cw.levels:
+        prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, tokenizer) for n in names}
+        need = sum(group_need(g.prefix_len, 0, [len(prompts[m]) - g.prefix_len for m in g.members],
+                              max(wf.agents[m].max_new_tokens for m in g.members), block_size, 1)
+                   for g in group_by_prefix(prompts, block_size))
+        most = max(most, need)
+    return most
 
 
 def _run_one(b: S.Bench, system: str, wf) -> dict:
@@ -60,12 +78,15 @@ def _run_one(b: S.Bench, system: str, wf) -> dict:
                 "first": [a["first_token_at"] for a in out["agents"].values()], "prefilled": sum(out["level_tokens"]),
                 "prefills": out["prefills"], "decisions": {}, "gate_wait_s": out["gate_wait_s"]}
     res = run_text_mode(cw, rt) if system == "text" else run_state_mode(cw, rt)
+    peak = peak_level_tokens(cw, {n: a.text for n, a in res.agents.items()}, rt.tokenizer, rt.block_size) \
+        if system == "text" else None
     decisions: dict[str, int] = {}
     for a in res.agents.values():
         decisions[a.decision] = decisions.get(a.decision, 0) + 1
     return {"tokens": {n: a.tokens for n, a in res.agents.items()},
             "first": [a.first_token_at for a in res.agents.values()], "prefilled": sum(res.level_tokens_computed),
             "prefills": res.prefills, "decisions": decisions, "gate_wait_s": res.gate_wait_s,
+            "redone": res.redone_tokens, "peak_level_tokens": peak,
             "plan_errors": [a.planned_finish_at - a.finished_at for a in res.agents.values() if a.planned_finish_at]}
 
 
@@ -157,10 +178,25 @@ def _row(kind: str, rate: float, rep: int, system: str, records: list[dict], ref
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else math.nan,
         "shared_prefill_wall_s": None,  # workflows overlap and share contexts: no single start
         "tokens_prefilled": prefilled,
+        "tokens_redone": sum(r.get("redone", 0) for r in ok),
         "hit_rate": _hit_rate(prefilled, text_tokens) if len(ok) == n else None,
         "decisions": decisions, "plan_error_median_s": statistics.median(plan) if plan else None,
         **{c: counters.get(c) for c in COUNTERS}, **evidence(records),
     }
+
+
+def prefill_split(row: dict) -> dict:
+    """A row's prefilled tokens by why they were prefilled, the same way for every system:
+    ``repeat``: level-0 prefills of a document the stream had prefilled before (its copy was
+    evicted, or rebuilt on another worker rather than moved); ``redone``: what attempts the
+    budget preempted (or Dask failed) had prefilled, prefilled again; ``lineage``: tasks Dask
+    ran again for blocks it had lost (``prefill_ledger``); ``first_time``: the rest."""
+    repeat = int(row.get("repeat_prefill_tokens") or 0)
+    redone = int(row.get("tokens_redone") or 0)
+    lineage = sum((row.get("prefill_ledger") or {}).get("again", {}).values())
+    total = int(row.get("tokens_prefilled") or 0)
+    return {"first_time": max(0, total - repeat - redone - lineage), "repeat": repeat, "redone": redone,
+            "lineage": lineage}
 
 
 def _hit_rate(prefilled: int, text_tokens: int | None) -> float | None:
@@ -202,6 +238,14 @@ def _local_evictions(client) -> dict:
             "bytes_evicted": sum(c["evicted_bytes"] for c in client.run(le.stats).values())}
 
 
+def budget_bytes(fraction: float, working_set: int, text_records: list[dict], bytes_per_token: int) -> int:
+    """A stream's per-worker KV budget: ``fraction`` of its documents' KV, but never less than
+    what its largest workflow level needs on its own (``peak_level_tokens``, from the text
+    reference run): a workflow larger than the whole budget could never run, and would rightly fail."""
+    one = max((r.get("peak_level_tokens") or 0 for r in text_records if "error" not in r), default=0)
+    return max(int(fraction * working_set), one * bytes_per_token)
+
+
 def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, systems, reps: int = 1,
          streams=STREAMS, budget_fraction: float = 0.25, zipf_s: float = 1.1, gates=(None,),
          progress: Progress | None = None) -> list[dict]:
@@ -231,11 +275,7 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
             records = run_stream(benches, "text", schedule(n, min(rates), doc_of, seed=1), texts, salt, max_new)
             ref = {r["index"]: r["tokens"] for r in records if "error" not in r}
             text_tokens = sum(r["prefilled"] for r in records if "error" not in r)
-            # Part of the working set, but never less than what one workflow could hold at once
-            # (all its agents' prompts and outputs, nothing shared): a workflow larger than the
-            # whole budget could never run, and would rightly fail.
-            one = max((r["prefilled"] + max_new * len(r["tokens"]) for r in records if "error" not in r), default=0)
-            budget = max(int(budget_fraction * working_set), one * rt.facts.bytes_per_token) \
+            budget = budget_bytes(budget_fraction, working_set, records, rt.facts.bytes_per_token) \
                 if kind.endswith("-budget") else None
             if progress:
                 progress.step(f"exp7 {kind} text reference ({len(ref)}/{n} workflows)")
@@ -300,6 +340,7 @@ def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, 
         # what the workers reported computing, beside what the workflows counted
         row["prefill_ledger"] = _ledger(b.client, t0)
         _count_computed(row, text_tokens)
+    row["prefill_split"] = prefill_split(row)
     if row["wrong"]:  # failures have their own line below
         log(f"  !! {system} outputs differ from text replay in exp7 {kind} at {rate:g}/min rep {rep}")
     if row["errors"]:

@@ -79,6 +79,7 @@ class WorkflowResult:
     # every prefill the run made: {"level", "op" (materialize | resume | recompute), "worker", "tokens"}
     prefills: list[dict] = field(default_factory=list)
     preemptions: int = 0  # levels redone because the budget preempted them to break a deadlock
+    redone_tokens: int = 0  # prompt tokens the attempts later preempted (or killed) had prefilled: computed again
     killed_worker_redos: int = 0  # levels redone because Dask gave up on a task whose workers died
     gate_wait_s: float = 0.0  # s in the workflow gate's line before it started (wall_s and TTFTs count after)
 
@@ -98,6 +99,7 @@ class WorkflowResult:
             "agents": {n: asdict(a) for n, a in self.agents.items()},
             "lineage": self.lineage,
             "preemptions": self.preemptions,
+            "redone_tokens": self.redone_tokens,
             "killed_worker_redos": self.killed_worker_redos,
             "gate_wait_s": self.gate_wait_s,
         }
@@ -187,7 +189,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
     lineage: dict[str, list[dict]] = {}
     states = {}
     followed = {a.follows for a in wf.agents.values() if a.follows}
-    level_tokens, prefills, preemptions, redos = [], [], 0, 0
+    level_tokens, prefills, preemptions, redos, redone = [], [], 0, 0, 0
     t0, wall0 = time.perf_counter(), time.time()
     for lvl, names in enumerate(cw.levels):
         if progress:
@@ -197,8 +199,9 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         add_level_nodes(cw, lvl, prompts, estimated=False)
         for attempt in itertools.count():
+            tried: list[dict] = []  # the attempt's prefills as they are made: wasted if it is redone
             try:
-                computed, made, done = _run_level(rt, wf, lvl, names, prompts, read_later, parallel)
+                computed, made, done = _run_level(rt, wf, lvl, names, prompts, read_later, parallel, tried)
                 break
             except KVPreempted:  # the budget's deadlock breaker chose this workflow: redo the level
                 if attempt + 1 >= MAX_PREEMPTIONS:
@@ -213,6 +216,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
             # evicted last; what is evicted meanwhile is prefilled again. The wait is the
             # workflow gate's, on the scheduler (it sent this run back to the head of its line
             # and lets fewer in): no sleep here, so no worker idles while this run could go.
+            redone += sum(p["tokens"] for p in tried)
             rt.release_many(list(states.values()), reuse_expected=True)
             states.clear()
             rejoin()
@@ -254,18 +258,20 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
         rt.release_many(done_with)
         level_tokens.append(computed)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
-                            prefills=prefills, preemptions=preemptions, killed_worker_redos=redos)
+                            prefills=prefills, preemptions=preemptions, killed_worker_redos=redos,
+                            redone_tokens=redone)
     result.explain = cw.explain() + ("\ncost model:\n" + rt.explain() if rt.decisions else "")
     rt.release_many(list(states.values()))  # the cache keeps the blocks (retention), subject to the budget
     rt.note_workflow(len(results), [a.ttft_s for a in results.values()])  # after the releases: no block stays pinned while it is told
     return result
 
 
-def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel):
+def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel, prefills: list):
     """One level in state mode: per prefix group a materialize and a fork, then the agents'
-    resumes. -> (tokens computed, prefills, [(name, branch, generation, planned_at)]).
-    A ``KVPreempted`` or ``KilledWorker`` leaves nothing of the attempt live: its states are released."""
-    computed, prefills, made, done = 0, [], [], []
+    resumes. -> (tokens computed, ``prefills``, [(name, branch, generation, planned_at)]);
+    ``prefills`` gets each materialize's as it is made. A ``KVPreempted`` or ``KilledWorker``
+    leaves nothing of the attempt live: its states are released."""
+    computed, made, done = 0, [], []
     buckets: dict[tuple, list] = {}
     try:
         for group in group_by_prefix(prompts, rt.block_size):

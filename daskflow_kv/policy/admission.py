@@ -20,11 +20,13 @@ of ``choose_victims``), and may not fill the room another tenant's quota keeps f
 (the part of the quota it does not hold yet), so one tenant pinning blocks cannot make
 another's next prefill fail.
 
-When a worker keeps a spill disk, a waiting task whose room is pinned by younger workflow
-runs' blocks that no running task reads need not wait, nor preempt anyone: those blocks go
-to the spill disk (``blocks_to_spill``) - their runs keep them, nothing is recomputed, and a
-task that reads one later is admitted with room to read it back. The same younger-runs-first
-rule as preemption, so the oldest run always gets its room.
+When a worker keeps a spill disk, a waiting task whose room is pinned by blocks that no
+running task reads need not wait, nor preempt anyone: those blocks go to the spill disk
+(``blocks_to_spill``) - their runs keep them, nothing is recomputed, and a task that reads
+one later is admitted with room to read it back. Whose go first (``spill_order``): younger
+runs', then the waiting task's own run's (those it does not read), older runs' last - as a
+serving engine swaps its newest requests out first. Reading back costs a disk read where
+preemption cost a prefill and a wait on the client.
 
 Plain numbers in, one ``Admission`` out; the scheduler plugin does what it says.
 """
@@ -178,3 +180,15 @@ def blocks_to_spill(pins: Iterable[tuple[str, int, frozenset | None]], younger: 
     runs = runs_to_preempt([(n, r) for _, n, r in pins], younger, lacking)
     gone = set(runs)
     return [k for k, _, r in pins if r <= gone] if runs else []
+
+
+def spill_order(ranks: Mapping, head_run, head_rank: float) -> list:
+    """The runs whose idle blocks a waiting task (of ``head_run``, placed in line at
+    ``head_rank``) may have spilled, in the order they go: younger runs youngest first, then
+    its own run, then older runs, the oldest last. ``ranks``: run -> when it was first seen
+    (None: no task of it is in line or was lately - an idle run, taken first of all)."""
+    at = {r: (float("inf") if t is None else t) for r, t in ranks.items()}
+    younger = sorted((r for r, t in at.items() if t > head_rank and r != head_run), key=lambda r: (at[r], str(r)),
+                     reverse=True)
+    older = sorted((r for r, t in at.items() if t <= head_rank and r != head_run), key=at.get, reverse=True)
+    return younger + ([head_run] if head_run in at else []) + older

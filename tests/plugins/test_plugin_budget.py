@@ -329,21 +329,40 @@ async def _three_runs_on_a(c, s, token, a, b) -> dict:
     return queued
 
 
-@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
-async def test_a_blocked_line_spills_the_youngest_idle_run_holding_kv_there_and_nothing_is_redone(c, s, a, b):
+def _total_len(*arrays) -> int:
+    return sum(len(a) for a in arrays)
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_waiting_task_gets_room_by_spilling_idle_blocks_younger_runs_first_and_nothing_is_redone(c, s, a, b):
+    """No deadlock to wait for, no preemption: a task that lacks room where every block is
+    pinned has a younger run's idle block moved to the spill disk (the youngest run's first,
+    its own run's next, the oldest's last: ``policy.admission.spill_order``), and a task that
+    reads a spilled block later is admitted with room to read it back, and reads what was
+    written."""
     plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
     token = await login(c)
     await until(lambda: plugin.tiers.can_spill(a.address), what="a's report that it keeps a spill disk")
-    queued = await _three_runs_on_a(c, s, token, a, b)
-    mid_block = queued["blocks"]["run-mid"].key
-    assert len(await queued["run-old"]) == 400  # admitted once run-mid's block went to disk
-    [sp] = events(plugin, "spill")
-    assert (sp["worker"], sp["blocks"], sp["nbytes"]) == (a.address, 1, 400)
-    assert mid_block in a.data.slow and plugin.tiers.spilled_on(mid_block, a.address)
+    _full_b = await _pinned(c, token, b.address, 950)
+    blocks = {}
+    for run in ("run-old", "run-mid"):  # each run's live state pins 400 bytes on a
+        blocks[run] = submit_block(c, token, a.address, 400)
+        await blocks[run]
+        await c.scheduler.kv_register_states(session=token, metas=[
+            {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
+             "tokens": 4, "worker": a.address, "flow": run}])
+    old, mid = blocks["run-old"].key, blocks["run-mid"].key
+    assert len(await submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-old")) == 400
+    assert [(e["blocks"], e["nbytes"]) for e in events(plugin, "spill")] == [(1, 400)]
+    await until(lambda: mid in a.data.slow, what="run-mid's block on a's disk")
+    assert old in a.data.fast and plugin.tiers.spilled_on(mid, a.address)
+    # a task reading run-mid's spilled block: admitted with room for it, reads it back
+    reader = submit_compute(c, token, a.address, _total_len, blocks["run-mid"], kv_out=0, flow="run-mid")
+    assert await reader == 400
+    assert mid in a.data.fast
     assert not events(plugin, "preempt")
-    assert plugin.budget.awaiting_admission(queued["run-mid"].key)  # still in line, its block kept
     counters = (await c.scheduler.kv_counters(session=token))["counters"]
-    assert (counters["spills"], counters["bytes_spilled"]) == (1, 400)
+    assert (counters["spills"], counters["bytes_spilled"], counters["bytes_read_back"]) == (1, 400, 400)
 
 
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}) | NO_SPILL_DISK)
@@ -414,13 +433,8 @@ async def test_a_parked_task_whose_input_is_lost_waits_in_line_again_and_runs(c,
     assert {ws.address for ws in s.tasks[task.key].who_has} == {a.address}
 
 
-@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}))
-async def test_two_lines_stuck_on_each_other_preempt_only_the_younger_run(c, s, a, b):
-    """run-old waits for room on a that run-new's state pins; run-new waits for room on b that
-    run-old's state pins. Each line preempting for its own oldest would preempt both runs,
-    which retry into the same deadlock; only the younger run goes, and the older one runs."""
-    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
-    token = await login(c)
+async def _crossed_states(c, token, a, b) -> dict:
+    """run-old pins 700 of 1000 on b, run-new 700 on a, a spare state 10 on b."""
     blocks = {}
     for run, worker, nbytes in (("run-old", b.address, 700), ("run-new", a.address, 700), ("spare", b.address, 10)):
         blocks[run] = submit_block(c, token, worker, nbytes)
@@ -428,6 +442,32 @@ async def test_two_lines_stuck_on_each_other_preempt_only_the_younger_run(c, s, 
         await c.scheduler.kv_register_states(session=token, metas=[
             {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
              "tokens": 4, "worker": worker, "flow": run}])
+    return blocks
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_two_runs_each_pinning_the_others_room_both_run_after_spilling_the_others_state(c, s, a, b):
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    await until(lambda: plugin.tiers.can_spill(a.address) and plugin.tiers.can_spill(b.address),
+                what="the workers' reports that they keep a spill disk")
+    blocks = await _crossed_states(c, token, a, b)
+    old = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-old")
+    new = submit_compute(c, token, b.address, kv_value, 500, kv_out=500, flow="run-new")
+    assert [len(x) for x in await c.gather([old, new])] == [500, 500]
+    assert blocks["run-new"].key in a.data.slow and blocks["run-old"].key in b.data.slow
+    assert not events(plugin, "preempt")
+
+
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}) | NO_SPILL_DISK)
+async def test_two_lines_stuck_on_each_other_preempt_only_the_younger_run(c, s, a, b):
+    """run-old waits for room on a that run-new's state pins; run-new waits for room on b that
+    run-old's state pins. Each line preempting for its own oldest would preempt both runs,
+    which retry into the same deadlock; only the younger run goes, and the older one runs.
+    (Without a spill disk: with one, both states are spilled and nobody is preempted.)"""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    blocks = await _crossed_states(c, token, a, b)
     old = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-old")
     await until(lambda: state_of(s, old.key) == "no-worker", what="run-old's task to be parked")
     new = submit_compute(c, token, b.address, kv_value, 500, kv_out=500, flow="run-new")
