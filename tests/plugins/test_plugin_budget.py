@@ -307,18 +307,24 @@ async def test_a_workflow_runs_later_tasks_go_before_runs_that_began_after_it(c,
 NO_SPILL_DISK = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False}
 
 
-async def _three_runs_on_a(c, s, token, a, b) -> dict:
-    """run-old and run-mid each pin 400 bytes of 1000 on ``a`` (a live state), a lookup no run
-    claims pins 100 more; b is full. Then a task of each run, run-new last, is parked on a.
-    -> run -> its parked task."""
-    _full_b = await _pinned(c, token, b.address, 950)  # nothing waiting fits on b either
+async def _two_runs_pinning_a(c, token, a, b) -> tuple:
+    """b is full (950 of 1000, pinned); run-old and run-mid each pin 400 bytes on ``a`` (a live
+    state). -> (b's block, run -> its block)."""
+    full_b = await _pinned(c, token, b.address, 950)  # nothing waiting fits on b either
     blocks = {}
-    for run in ("run-old", "run-mid"):  # each run's live state pins 400 bytes on a
+    for run in ("run-old", "run-mid"):
         blocks[run] = submit_block(c, token, a.address, 400)
         await blocks[run]
         await c.scheduler.kv_register_states(session=token, metas=[
             {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
              "tokens": 4, "worker": a.address, "flow": run}])
+    return full_b, blocks
+
+
+async def _three_runs_on_a(c, s, token, a, b) -> dict:
+    """``_two_runs_pinning_a``, and a lookup no run claims pins 100 more on a. Then a task of
+    each run, run-new last, is parked on a. -> run -> its parked task."""
+    _full_b, blocks = await _two_runs_pinning_a(c, token, a, b)
     loose = submit_block(c, token, a.address, 100)  # held by a lookup no run claims: nobody's to free
     await loose
     await c.scheduler.kv_acquire(session=token, keys=[loose.key])
@@ -343,14 +349,7 @@ async def test_a_waiting_task_gets_room_by_spilling_idle_blocks_younger_runs_fir
     plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
     token = await login(c)
     await until(lambda: plugin.tiers.can_spill(a.address), what="a's report that it keeps a spill disk")
-    _full_b = await _pinned(c, token, b.address, 950)
-    blocks = {}
-    for run in ("run-old", "run-mid"):  # each run's live state pins 400 bytes on a
-        blocks[run] = submit_block(c, token, a.address, 400)
-        await blocks[run]
-        await c.scheduler.kv_register_states(session=token, metas=[
-            {"state_id": f"kvstate-{run}-00000001", "block_keys": [blocks[run].key], "op": "materialize",
-             "tokens": 4, "worker": a.address, "flow": run}])
+    _full_b, blocks = await _two_runs_pinning_a(c, token, a, b)
     old, mid = blocks["run-old"].key, blocks["run-mid"].key
     assert len(await submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-old")) == 400
     assert [(e["blocks"], e["nbytes"]) for e in events(plugin, "spill")] == [(1, 400)]
