@@ -93,7 +93,7 @@ def scheduler_start(dask_scheduler=None, interval: float = INTERVAL_S) -> bool:
         if plugin is None or plugin.budget is None:
             return
         samples.append((time.time(), plugin.budget.parked_by_worker(), plugin.gate.waiting_runs(),
-                        plugin.budget.counted_by_worker()))
+                        plugin.budget.counted_by_worker(), plugin.budget.waiting_heads()))
 
     cb = PeriodicCallback(sample, interval * 1000)
     _SCHED.update(callback=cb, samples=samples)
@@ -103,7 +103,8 @@ def scheduler_start(dask_scheduler=None, interval: float = INTERVAL_S) -> bool:
 
 def scheduler_stop(dask_scheduler=None) -> list:
     """Stop sampling; [(t, {worker: parked ready tasks}, runs waiting at the gate,
-    {worker: (KV bytes the budget counts there, bytes reserved there)})]."""
+    {worker: (KV bytes the budget counts there, bytes reserved there)}, {worker: why its
+    oldest waiting task waits})]."""
     if not _SCHED:
         return []
     _SCHED["callback"].stop()

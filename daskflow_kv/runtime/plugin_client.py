@@ -51,6 +51,17 @@ def gather(client: Client, futures: list):
             err = None  # this frame joins err's traceback: err held here would be a cycle
 
 
+def gather_each(client: Client, futures: list):
+    """``gather`` of each of ``futures`` as it finishes, first done first: yields (index,
+    result). A caller that acts on each result at once (publishes what it made) does not hold
+    the finished ones' outputs while it waits for the slowest."""
+    pending = dict(enumerate(futures))
+    while pending:
+        done, _ = wait(list(pending.values()), return_when="FIRST_COMPLETED")
+        for i in [i for i, f in pending.items() if f in done]:
+            yield i, gather(client, [pending.pop(i)])[0]
+
+
 def _detached(e: BaseException, futures: list) -> BaseException:
     """A copy of ``e`` with its task's traceback, ``e`` left holding no frame of ours.
 

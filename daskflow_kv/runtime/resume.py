@@ -3,9 +3,10 @@
 Each group of branches (``resume_planner.batch_groups``) becomes one compute task on its
 worker - a ``prefill`` for a lone branch, a ``prefill_batch`` for several - reading its
 prefix as the plan decided (``inputs``), plus one small task that hands back the results.
-Every continuation's blocks then go through one acquire and every state through one
-register: per-branch calls cost two scheduler round trips each (a third of a k=16 resume's
-wall, measured).
+As each group's results come in, its continuations' blocks go through one acquire and its
+states through one register (per-branch calls cost two scheduler round trips each, a third
+of a k=16 resume's wall, measured; per group, a finished group's output is cut into
+blocks the KV budget can spill while a slower group still runs or waits).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .handles import DistGeneration, DistKVState
 from .inputs import PrefixInputs, Replicas
 from .kv_persistence import PersistentTier
 from .planner import Planner, predict_seconds
-from .plugin_client import gather
+from .plugin_client import gather_each
 from .prefix_cache import PrefixCache
 from .publish import NewBlocks, Publisher, blocks_of
 from .registry import NewState, StateRegistry
@@ -70,11 +71,19 @@ class Resumer:
         for idxs in groups:
             wanted.append((idxs, self._submit(idxs, branches, reqs, outputs, replicas, view, max_new_tokens)))
         replicas.clear()  # the consumers depend on the replica blocks now; Dask frees them after
-        results: list = [None] * len(branches)
-        for (idxs, _), got in zip(wanted, gather(self.submitter.client, [f for _, f in wanted])):
-            for i, res in zip(idxs, got if isinstance(got, list) else [got]):
-                results[i] = res
-        return self._continue(states, prompts, branches, outputs, results, sids)
+        gens: list = [None] * len(branches)
+        # Each group's continuations are published as soon as its results are in: until its
+        # blocks are cut, its output is KV no budget can spill or evict, and a group parked
+        # for room on the same worker would wait for it (the outputs of groups already done,
+        # held while the slowest finished, deadlocked a tight budget until a preemption).
+        for g, got in gather_each(self.submitter.client, [f for _, f in wanted]):
+            idxs = wanted[g][0]
+            results = dict(zip(idxs, got if isinstance(got, list) else [got]))
+            for i, gen in zip(idxs, self._continue(states, prompts, branches, outputs, results, sids, idxs)):
+                gens[i] = gen
+            for i in idxs:
+                outputs[i] = None  # the block tasks read it now: Dask frees it after them
+        return gens
 
     def _submit(self, idxs: list[int], branches: list[Branch], reqs: list[tasks.PrefillRequest],
                 outputs: list, replicas: Replicas, view: ClusterView, max_new_tokens: int) -> Future:
@@ -98,9 +107,12 @@ class Resumer:
         # One small-results task per batch, not one per branch (each is a scheduler round trip).
         return near(p.worker, tasks.take_batch_results, out, key=self.submitter.key(RESULT, "batch", batch_id))
 
-    def _continue(self, states, prompts, branches, outputs, results, sids) -> list[DistGeneration]:
-        """Each branch's continuation state (prompt and generation, all but the last token
-        fed) and its generation."""
+    def _continue(self, states, prompts, branches, outputs, results: dict, sids, idxs) -> list[DistGeneration]:
+        """The continuation state (prompt and generation, all but the last token fed) and the
+        generation of each branch of ``idxs`` (one group's: ``results`` by branch)."""
+        states, prompts, branches, outputs, sids = ([x[i] for i in idxs] for x in (states, prompts, branches, outputs,
+                                                                                   sids))
+        results = [results[i] for i in idxs]
         news = []
         for prompt, out, res, b, sid in zip(prompts, outputs, results, branches, sids):
             fed = list(prompt) + list(res.generated[:-1])  # the last sampled token was never fed
