@@ -11,7 +11,8 @@ from conftest import CONTEXT, SUFFIXES, make_engine
 
 from daskflow_kv.model.llama_forward import FEW_ROWS, LlamaNet, llama_net, llama_reason
 from daskflow_kv.model.step_engine import StepEngine, StepRequest
-from daskflow_kv.model.step_forward import Feed, SoloForward, forward_for
+from daskflow_kv.model.packed_forward import forward_for
+from daskflow_kv.model.step_forward import Feed, SoloForward
 from daskflow_kv.model.zoo.smollm2 import smollm2_available
 
 # every fp32 model the suite builds -> the forward the step loop must pick for it

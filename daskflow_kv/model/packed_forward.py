@@ -18,10 +18,11 @@ import torch
 
 from ..state.blocks import split_spans
 from .batched import batched_twin
-from .batched_cache import CTX_KW
+from .batched_cache import CTX_KW, unsupported_layers
 from .lane_pool import LanePool
+from .llama_forward import llama_net, llama_reason
 from .step_cache import Group, Lane, StepCache
-from .step_forward import Feed, StepForward
+from .step_forward import FORWARDS, Feed, SoloForward, StepForward
 
 _READY_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)  # a 4-D mask: transformers builds none
 
@@ -113,3 +114,20 @@ class PackedForward(StepForward):
             self.cache.pool.release(g)
         for key in [k for k, v in self._groups.items() if v is g]:
             del self._groups[key]
+
+
+def forward_for(runner, pool_bytes: int, forward: str = "auto") -> StepForward:
+    """The forward a step loop over ``runner`` uses: solo where rows cannot share a forward
+    exactly, else packed rows through the hand-written step (``forward="auto"`` and an
+    architecture ``llama_forward`` knows) or through the model's own forward."""
+    if forward not in FORWARDS:
+        raise ValueError(f"batching.forward={forward!r}; expected one of {FORWARDS}")
+    cfg = runner.model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    reason = ("prefill below fp32 is fed in block-aligned chunks of its own" if runner.aligned_prefill
+              else unsupported_layers(cfg))
+    if reason:
+        return SoloForward(runner, reason)
+    why_not = "batching.forward=hf" if forward == "hf" else llama_reason(runner.model)
+    net = HFNet(runner.model) if why_not else llama_net(runner.model)
+    return PackedForward(runner, net, pool_bytes, why_not)

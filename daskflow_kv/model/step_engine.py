@@ -43,7 +43,8 @@ from ..state.blocks import aligned_floor
 from .lane_pool import MAX_BYTES
 from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
-from .step_forward import Feed, forward_for
+from .packed_forward import forward_for
+from .step_forward import Feed
 from .step_shape import StepShape
 
 logger = logging.getLogger("daskflow_kv.step_engine")

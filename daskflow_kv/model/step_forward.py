@@ -23,7 +23,7 @@ fp32, or attention the packed step cannot reproduce), ``packed_forward.PackedFor
 (every request's rows in one forward; its network is the hand-written Llama-family step,
 ``llama_forward.LlamaNet``, where the architecture is one it knows, else the model's own
 transformers forward). An emulated engine (a profiled step time, deterministic tokens)
-implements the same five calls. ``forward_for`` picks one for a runner.
+implements the same calls. ``packed_forward.forward_for`` picks one for a runner.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-
-from .batched_cache import unsupported_layers
 
 FORWARDS = ("auto", "hf")  # batching.forward: auto (hand-written step where known) | hf (transformers' forward)
 
@@ -90,23 +88,3 @@ class SoloForward(StepForward):
 
     def close(self, handle) -> None:
         pass
-
-
-def forward_for(runner, pool_bytes: int, forward: str = "auto") -> StepForward:
-    """The forward a step loop over ``runner`` uses: solo where rows cannot share a forward
-    exactly, else packed rows through the hand-written step (``forward="auto"`` and an
-    architecture ``llama_forward`` knows) or through the model's own forward."""
-    from .llama_forward import llama_net, llama_reason
-    from .packed_forward import HFNet, PackedForward
-
-    if forward not in FORWARDS:
-        raise ValueError(f"batching.forward={forward!r}; expected one of {FORWARDS}")
-    cfg = runner.model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    reason = ("prefill below fp32 is fed in block-aligned chunks of its own" if runner.aligned_prefill
-              else unsupported_layers(cfg))
-    if reason:
-        return SoloForward(runner, reason)
-    why_not = "batching.forward=hf" if forward == "hf" else llama_reason(runner.model)
-    net = HFNet(runner.model) if why_not else llama_net(runner.model)
-    return PackedForward(runner, net, pool_bytes, why_not)
