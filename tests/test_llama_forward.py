@@ -156,3 +156,42 @@ def test_smollm2_hand_written_step_matches_the_eager_forward():
     [got] = fw.run([Feed(lane, ids, True)])
     fw.close(lane)
     assert _rel(got, want) <= 1e-4 and int(got.argmax()) == int(want.argmax())
+
+
+def test_the_step_loop_needs_nothing_of_a_forward_but_its_interface():
+    """A stand-in forward (what an emulated engine implements): the loop schedules, samples and
+    exports through ``StepForward`` alone; here every token is the number of tokens fed before it."""
+    from daskflow_kv.model.step_forward import StepForward
+
+    class Counting(StepForward):
+        name = "counting"
+
+        def __init__(self, vocab):
+            self.vocab, self.calls = vocab, []
+
+        def open(self, prefix_blocks, prefix_len, cap, group=None):
+            return {"at": prefix_len}
+
+        def run(self, feeds):
+            self.calls.append(sum(len(f.tokens) for f in feeds))
+            out = []
+            for f in feeds:
+                f.handle["at"] += len(f.tokens)
+                out.append(torch.nn.functional.one_hot(torch.tensor(f.handle["at"] % self.vocab), self.vocab).float()
+                           if f.logits else None)
+            return out
+
+        def export(self, handle, start, end):
+            return [(start, end, torch.zeros(1))]
+
+        def close(self, handle):
+            handle["closed"] = True
+
+    runner = make_engine("tiny-llama").runner
+    fw = Counting(runner.vocab_size)
+    eng = StepEngine(runner, step_tokens=8, forward=fw)
+    outs = [f.result(30) for f in eng.submit([StepRequest([], 0, [1] * 10, 3), StepRequest([], 0, [2] * 3, 2)])]
+    eng.stop()
+    assert [o.generated for o in outs] == [[10, 11, 12], [3, 4]]
+    assert max(fw.calls) <= 8 and sum(fw.calls) == 10 + 3 + 2 + 1  # chunked prompts, then decode rows
+    assert [o.fed_tokens for o in outs] == [12, 4]

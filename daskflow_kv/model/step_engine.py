@@ -44,7 +44,7 @@ from .lane_pool import MAX_BYTES
 from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
 from .packed_forward import forward_for
-from .step_forward import Feed
+from .step_forward import Feed, StepForward
 from .step_shape import StepShape
 
 logger = logging.getLogger("daskflow_kv.step_engine")
@@ -122,15 +122,17 @@ class StepEngine:
     """The step loop of one model in one process. Thread-safe ``submit``; one loop thread."""
 
     def __init__(self, runner: ModelRunner, step_tokens: int = 512, max_running: int = 64,
-                 pool_bytes: int | None = None, forward: str | None = None):
-        """``forward``: "auto" (the hand-written step where it knows the architecture) or "hf"
-        (the model's own forward); None: ``batching.forward``."""
+                 pool_bytes: int | None = None, forward: str | StepForward | None = None):
+        """``forward``: "auto" (the hand-written step where it knows the architecture), "hf"
+        (the model's own forward), None (``batching.forward``), or a ``StepForward`` to drive
+        (e.g. an emulated engine)."""
         self.runner = runner
         self.step_tokens = int(step_tokens)  # token budget of one step
         self.max_running = int(max_running)  # requests in the running batch at most
         self.pool_bytes = MAX_BYTES if pool_bytes is None else int(pool_bytes)  # the lane pool's bound
         # The forward pass every step goes through (the loop's only way to K/V and logits).
-        self.forward = forward_for(runner, self.pool_bytes, forward or config.get("batching.forward"))
+        self.forward = (forward if isinstance(forward, StepForward)
+                        else forward_for(runner, self.pool_bytes, forward or config.get("batching.forward")))
         # Why a model runs solo, or None when its requests share packed forwards.
         self.solo_reason = self.forward.solo_reason
         self.stats = EngineStats()
