@@ -149,7 +149,7 @@ def test_decode_rows_of_many_solo_requests_attend_together_exactly(engine_factor
     assert sorted(r for s in pooled for r in [s.pool_rows] * layers) == sorted(calls)
     assert all(s.pool_rows <= s.pool_slots for s in pooled)
     assert all(s.pool_rows * s.pool_width > s.decode_keys for s in pooled if s.decode_rows == s.pool_rows)
-    pool = eng._cache.pool
+    pool = eng.forward.cache.pool
     assert pool.k == [] and not any(pool.owners)  # every lane left: the pool gave its memory back
     eng.stop()
 

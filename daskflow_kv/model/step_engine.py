@@ -8,10 +8,14 @@ mechanism: one thread per engine runs the loop, callers ``submit`` requests from
 thread and wait on the ``concurrent.futures.Future`` they get (a Dask task secedes from
 its worker's thread pool meanwhile, see ``runtime.tasks``).
 
-Two ways to run a step, chosen per model, both exact:
+The loop never runs a model itself: every step goes through one ``StepForward``
+(``step_forward``: open a request's K/V, run a step of packed feeds, export, close), chosen
+per model, all exact:
 
 * packed (fp32, attention patterns ``batched_cache`` reproduces): every request's rows in
-  one forward over a ``StepCache``; attention stays per request (``step_cache``);
+  one forward over a ``StepCache``; attention stays per request (``packed_forward``), run by
+  the hand-written Llama-family step where the architecture is one it knows
+  (``llama_forward``), by the model's own transformers forward otherwise;
 * solo (below fp32, or attention it cannot reproduce): each request runs its own forwards
   through ``ModelRunner`` - the chunks ``ModelRunner.run`` would feed, one per step - so its
   tokens and K/V are bit-identical to a single prefill's. Such requests still share the
@@ -33,19 +37,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .. import config
 from ..policy.step_schedule import Seq, plan_step
-from ..state.blocks import aligned_floor, split_spans
-from .batched import batched_twin
-from .batched_cache import CTX_KW, unsupported_layers
+from ..state.blocks import aligned_floor
+from .lane_pool import MAX_BYTES
 from .runner import ModelRunner, RunMetrics, RunOutput
 from .sampling import GREEDY, SamplingParams, choose
-from .lane_pool import MAX_BYTES, LanePool
-from .step_cache import Group, Lane, StepCache
+from .packed_forward import forward_for
+from .step_forward import Feed, StepForward
 from .step_shape import StepShape
 
 logger = logging.getLogger("daskflow_kv.step_engine")
 RECENT_STEPS = 4096  # step shapes kept (``StepEngine.recent``): a few minutes of a busy loop
-_READY_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)  # a 4-D mask: transformers builds none
 
 
 @dataclass(slots=True)
@@ -72,8 +75,7 @@ class _Live:
     future: Future
     arrived: float  # perf_counter at submit
     group: tuple | None = None  # (group id, size): requests submitted together over one prefix
-    lane: Lane | None = None  # packed: its K/V in the step cache
-    cache: object = None  # solo: its own ModelRunner cache
+    kv: object = None  # its K/V: the handle ``StepForward.open`` gave (None until it joins)
     fed: int = 0  # prompt tokens fed
     generated: list[int] = field(default_factory=list)
     logits: list = field(default_factory=list)
@@ -120,16 +122,19 @@ class StepEngine:
     """The step loop of one model in one process. Thread-safe ``submit``; one loop thread."""
 
     def __init__(self, runner: ModelRunner, step_tokens: int = 512, max_running: int = 64,
-                 pool_bytes: int | None = None):
+                 pool_bytes: int | None = None, forward: str | StepForward | None = None):
+        """``forward``: "auto" (the hand-written step where it knows the architecture), "hf"
+        (the model's own forward), None (``batching.forward``), or a ``StepForward`` to drive
+        (e.g. an emulated engine)."""
         self.runner = runner
         self.step_tokens = int(step_tokens)  # token budget of one step
         self.max_running = int(max_running)  # requests in the running batch at most
         self.pool_bytes = MAX_BYTES if pool_bytes is None else int(pool_bytes)  # the lane pool's bound
-        cfg = runner.model.config
-        self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        # The forward pass every step goes through (the loop's only way to K/V and logits).
+        self.forward = (forward if isinstance(forward, StepForward)
+                        else forward_for(runner, self.pool_bytes, forward or config.get("batching.forward")))
         # Why a model runs solo, or None when its requests share packed forwards.
-        self.solo_reason = ("prefill below fp32 is fed in block-aligned chunks of its own" if runner.aligned_prefill
-                            else unsupported_layers(self.config))
+        self.solo_reason = self.forward.solo_reason
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._groups = itertools.count()
@@ -138,7 +143,6 @@ class StepEngine:
         self._running: list[_Live] = []
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._cache: StepCache | None = None
         self.recent: deque[StepShape] = deque(maxlen=RECENT_STEPS)  # the last steps' shapes and times
         # Prompt tokens fed, by the operator of their request, since start; and of those, the
         # tokens of requests that left without a result (cancelled or failed): work no caller
@@ -214,8 +218,8 @@ class StepEngine:
                     self._finish(x, error=e)
 
     def _seq(self, x: _Live) -> Seq:
-        align = self.runner.block_size if (self.solo_reason and self.runner.aligned_prefill) else 0
-        return Seq(x.rid, x.arrived, len(x.req.new_tokens) - x.fed, x.position, self.solo_reason is not None, align)
+        return Seq(x.rid, x.arrived, len(x.req.new_tokens) - x.fed, x.position, self.solo_reason is not None,
+                   self.forward.align)
 
     def _drop_cancelled(self) -> None:
         for x in [x for x in self._waiting if x.cancelled]:
@@ -235,15 +239,13 @@ class StepEngine:
             self._join(x)
         feeds = {rid: n for rid, n in plan.feeds}
         fed = [x for x in self._running if feeds.get(x.rid)]
-        packed = [x for x in fed if x.lane is not None]
         logits: dict[int, torch.Tensor] = {}
         pooled = (0, 0, 0)
-        if packed:
-            logits.update(self._packed_forward(packed, feeds))
-            pooled = self._cache.pooled_shape
-        for x in fed:
-            if x.cache is not None:  # solo: its own forward, the chunk ModelRunner.run would feed
-                logits[x.rid] = self.runner.feed(x.cache, x.next_tokens(feeds[x.rid]))
+        if fed:
+            rows = self.forward.run([Feed(x.kv, x.next_tokens(feeds[x.rid]), self._wants_logits(x, feeds[x.rid]))
+                                     for x in fed])
+            logits = {x.rid: row for x, row in zip(fed, rows)}
+            pooled = self.forward.pooled_shape
         wall = time.time()
         shape = self._shape(joining, fed, feeds)
         for x in fed:
@@ -286,63 +288,9 @@ class StepEngine:
         x.gen = r.sampling.generator(r.stream)
         x.metrics = RunMetrics(tokens_reused=r.prefix_len, tokens_computed=len(r.new_tokens))
         cap = len(r.new_tokens) + max(r.max_new_tokens, 1) - 1
-        if self.solo_reason is not None:
-            x.cache = self.runner.open_cache(r.prefix_blocks, r.prefix_len, r.prefix_len + cap + 1)
-        else:
-            x.lane = self._lane(x, cap)
+        x.kv = self.forward.open(r.prefix_blocks, r.prefix_len, cap, x.group)
         x.metrics.load_s = time.perf_counter() - t0
         self._running.append(x)
-
-    def _lane(self, x: _Live, cap: int) -> Lane:
-        """A lane in its group: the first member of a shared group makes the group."""
-        rn, r = self.runner, x.req
-        group = None
-        if x.group is not None:
-            group = next((y.lane.group for y in self._running if y.group == x.group and y.lane is not None), None)
-        if group is None:
-            pool = self._step_cache().pool
-            solo = x.group is None and pool is not None and pool.accepts(r.prefix_len + cap)
-            group = Group(rn.num_layers, rn.kv_heads, rn.head_dim, r.prefix_len, cap, x.group is not None, rn.dtype,
-                          rn.device, pool if solo else None)
-            group.load_prefix(r.prefix_blocks)
-        group.fit(cap)
-        lane = Lane(group, cap, rn.kv_heads, rn.head_dim, rn.dtype, rn.device)
-        group.lanes.append(lane)
-        return lane
-
-    def _step_cache(self) -> StepCache:
-        if self._cache is None:
-            rn = self.runner
-            self._cache = StepCache(self.config, rn.dtype, rn.device)
-            if self._cache.decode_fast:  # its decode rows can attend at once: solo groups live in one pool
-                self._cache.pool = LanePool(rn.num_layers, rn.kv_heads, rn.head_dim, rn.dtype, rn.device,
-                                            self.pool_bytes)
-        return self._cache
-
-    def _packed_forward(self, packed: list[_Live], feeds: dict[int, int]) -> dict[int, torch.Tensor]:
-        rn = self.runner
-        self._step_cache()
-        ids, pos, last = [], [], {}
-        for x in packed:
-            toks = x.next_tokens(feeds[x.rid])
-            start = x.lane.group.prefix_len + x.lane.length
-            ids += toks
-            pos += range(start, start + len(toks))
-            if self._wants_logits(x, len(toks)):
-                last[x.rid] = len(ids) - 1
-        keep = sorted(last.values()) or [len(ids) - 1]
-        cache = self._cache
-        position_ids = torch.tensor([pos], dtype=torch.long, device=rn.device)
-        cache.begin([x.lane for x in packed], [feeds[x.rid] for x in packed], position_ids)
-        try:
-            out = batched_twin(rn.model)(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=rn.device), position_ids=position_ids,
-                attention_mask=_READY_MASK.to(rn.device), cache=cache, use_cache=True,
-                logits_to_keep=torch.tensor(keep, device=rn.device), **{CTX_KW: cache})
-        finally:
-            cache.end()
-        rows = out.logits[0].float()
-        return {rid: rows[keep.index(i)] for rid, i in last.items()}
 
     def _wants_logits(self, x: _Live, n: int) -> bool:
         """Does this step's feed end ``x``'s prompt (or decode a token), with tokens to sample?"""
@@ -367,8 +315,6 @@ class StepEngine:
     def _finish(self, x: _Live, error: BaseException | None = None) -> None:
         if x in self._running:
             self._running.remove(x)
-        if x.lane is not None and x.lane in x.lane.group.lanes:
-            x.lane.group.lanes.remove(x.lane)
         self.stats.running = len(self._running)
         try:
             if x.future.done():
@@ -382,10 +328,10 @@ class StepEngine:
                 self.stats.completed += 1
             except Exception as e:  # noqa: BLE001 -- export failed: the caller gets why
                 x.future.set_exception(e)
-        finally:  # after the export read its K/V: a pooled group's slot goes back
-            g = x.lane.group if x.lane is not None else None
-            if g is not None and not g.lanes and g.slot is not None:
-                self._cache.pool.release(g)
+        finally:  # after the export read its K/V
+            if x.kv is not None:
+                self.forward.close(x.kv)
+                x.kv = None
 
     def _output(self, x: _Live) -> RunOutput:
         r, m, rn = x.req, x.metrics, self.runner
@@ -397,14 +343,7 @@ class StepEngine:
         else:
             m.decode_s = max(0.0, t0 - x.joined - m.load_s - m.prefill_s)
         fed = r.prefix_len + len(r.new_tokens) + max(0, len(x.generated) - 1)
-        blocks = []
-        if r.export:
-            start = aligned_floor(r.prefix_len, rn.block_size)
-            if x.cache is not None:
-                blocks = rn.export_blocks(x.cache, start, fed)
-            else:
-                blocks = [(s, e, torch.stack([torch.stack(x.lane.kv(layer, s, e)) for layer in range(rn.num_layers)])
-                           .contiguous()) for s, e in split_spans(start, fed, rn.block_size)]
+        blocks = self.forward.export(x.kv, aligned_floor(r.prefix_len, rn.block_size), fed) if r.export else []
         m.export_s = time.perf_counter() - t0
         logits = torch.stack(x.logits) if (r.return_logits and x.logits) else None
         return RunOutput(list(x.generated), fed, blocks, logits, m)
