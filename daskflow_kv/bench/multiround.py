@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 
-from ..flow.compiler import compile_workflow, group_by_prefix
+from ..flow.compiler import compile_workflow, level_groups
 from ..flow.executor import run_state_mode, run_text_mode
 from ..flow.prompts import prompt_tokens
 from ..runtime.workflow_gate import admitted
@@ -71,7 +71,7 @@ def _local_levels(cw, b: S.Bench) -> dict:
         level_at = time.time()
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         pending = []
-        for group in group_by_prefix(prompts, rt.block_size):
+        for group in level_groups(wf, prompts, rt.block_size):
             buckets: dict[int, list[str]] = {}
             for m in group.members:
                 buckets.setdefault(wf.agents[m].max_new_tokens, []).append(m)
