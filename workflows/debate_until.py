@@ -26,10 +26,11 @@ def agreed(text: str) -> bool:
 
 
 def build(agents: int = 2, max_rounds: int = 3, context_tokens: int = 256, max_new_tokens: int = 24,
-          tokenizer=None, until=agreed, name: str = "debate_until") -> Workflow:
+          tokenizer=None, until=agreed, name: str = "debate_until", document: str | None = None) -> Workflow:
+    """``until(judge's text)``: the debate ends (default: ``agreed``); ``document``: what it is about."""
     wf = Workflow(name, system="You are in a debate. Be brief and concrete.")
     wf.context("topic", "Should a multi-agent system move shared KV state between workers or recompute it?\n"
-               + corpus_document(context_tokens, tokenizer, start=8), title="Topic")
+               + (document or corpus_document(context_tokens, tokenizer, start=8)), title="Topic")
 
     def said_before(r: int) -> list[str]:
         return [f"debate.r{q}.d{d}" for q in range(r) for d in range(agents)]

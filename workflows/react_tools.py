@@ -58,10 +58,12 @@ def tools(latency: Latency | None = None) -> dict:
 
 
 def build(question: str = QUESTION, max_steps: int = 4, context_tokens: int = 128, max_new_tokens: int = 32,
-          tokenizer=None, propose=None, latency: Latency | None = None, name: str = "react") -> Workflow:
-    """``propose(step, text)``: which call the agent's output makes (default: parsed from it)."""
+          tokenizer=None, propose=None, latency: Latency | None = None, name: str = "react",
+          document: str | None = None) -> Workflow:
+    """``propose(step, text)``: which call the agent's output makes (default: parsed from it).
+    ``document``: the background the agent reads (default: corpus passages)."""
     wf = Workflow(name, system="You answer questions by calling tools. Be brief.")
-    wf.context("background", corpus_document(context_tokens, tokenizer, start=9), title="Background")
+    wf.context("background", document or corpus_document(context_tokens, tokenizer, start=9), title="Background")
     wf.context("question", question, title="Question")
     wf.react("agent", f"Answer the question.\n{EXAMPLE}", tools(latency), reads=["background", "question"],
              max_steps=max_steps, propose=propose, max_new_tokens=max_new_tokens)

@@ -18,10 +18,11 @@ RATE = "Rate that approach from 1 (poor) to 10 (excellent). Answer with the numb
 
 
 def build(branch: int = 3, keep: int = 1, depth: int = 2, context_tokens: int = 256, max_new_tokens: int = 24,
-          tokenizer=None, score=RATE, name: str = "tot_pruned") -> Workflow:
-    """``score``: a scoring agent's instructions, or a function of a thought's text."""
+          tokenizer=None, score=RATE, name: str = "tot_pruned", document: str | None = None) -> Workflow:
+    """``score``: a scoring agent's instructions, or a function of a thought's text;
+    ``document``: the material under the problem (default: corpus passages)."""
     wf = Workflow(name, system="You reason step by step and keep each step short.")
-    wf.context("problem", PROBLEM + "\n" + corpus_document(context_tokens, tokenizer), title="Problem")
+    wf.context("problem", PROBLEM + "\n" + (document or corpus_document(context_tokens, tokenizer)), title="Problem")
 
     def expand(g, d, parent, i):
         if parent is None:

@@ -8,7 +8,7 @@ every agent's whole prompt to a worker, the baseline. Both build prompts from th
 text, so their tokens must agree exactly.
 
 A workflow with tools or steps (``growing``) runs the same levels, each asked of its
-``GrowingRun`` as the run reaches it (``grow``): the only hooks here are ``_levels``,
+``GrowingRun`` as the run reaches it (``grow``): the only hooks here are ``taken_levels``,
 ``grow.keeps`` and ``grow.after_level``.
 """
 
@@ -138,7 +138,7 @@ def _metrics(gen) -> dict:
     return gen.metrics if isinstance(gen.metrics, dict) else gen.metrics.as_dict()
 
 
-def _levels(cw: CompiledWorkflow, grow, outputs: dict):
+def taken_levels(cw: CompiledWorkflow, grow, outputs: dict):
     """(level, its agents): the compiled levels, or each next one as a growing run takes it."""
     if grow is None:
         yield from enumerate(cw.levels)
@@ -161,7 +161,7 @@ def _run_text_levels(cw: CompiledWorkflow, rt, progress, grow=None) -> WorkflowR
     results: dict[str, AgentResult] = {}
     level_tokens = []
     t0, wall0 = time.perf_counter(), time.time()
-    for lvl, names in _levels(cw, grow, outputs):
+    for lvl, names in taken_levels(cw, grow, outputs):
         if progress:
             progress("text", lvl, len(cw.levels), names)
         level_at = time.time()
@@ -209,7 +209,7 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin, grow=None)
     states = {}
     level_tokens, prefills, preemptions, redos = [], [], 0, 0
     t0, wall0 = time.perf_counter(), time.time()
-    for lvl, names in _levels(cw, grow, outputs):
+    for lvl, names in taken_levels(cw, grow, outputs):
         followed = {a.follows for a in wf.agents.values() if a.follows}  # a growing run adds agents
         if progress:
             progress("state", lvl, len(cw.levels), names)
