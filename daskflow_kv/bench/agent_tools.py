@@ -144,34 +144,24 @@ def _counters(b: S.Bench, system: str) -> dict:
 
 def stream(b: S.Bench, n: int, rate: float, docs: list[str], max_new: int, calls: int, latency: tuple[float, float],
            reps: int, budget_fraction: float, systems=SYSTEMS, log=print) -> dict:
-    """Text replay once as the reference (and to size the budget), then every system ``reps``
-    times, in alternating order, each from empty caches. -> {"rows", "budget", "reference"}."""
+    """Per rep: text replay first (that rep's token reference; the first one sizes the budget),
+    then the other systems in alternating order, each from empty caches. Each rep has its own
+    session salt: nothing a rep cached or stored is another rep's hit. -> {"rows", ...}."""
     rt = b.rt
     doc_of = [i % len(docs) for i in range(n)]
-    salt = f"agent-tools-{time.time_ns() % (1 << 30)}"
-    builder = lambda a, doc, salt_, max_new_: workflow(a.index, doc, salt_, max_new_, calls, latency, seed=1)  # noqa: E731
     bench = [b, b]
-    S.reset_caches(b)
-    ref_records = run_stream(bench, "text", schedule(n, rate, doc_of, seed=0), docs, salt, max_new, build=builder,
-                             run_one=run_one)
-    failed = [r["error"] for r in ref_records if "error" in r]
-    if failed:
-        raise RuntimeError(f"text replay failed: {failed[0]}")
-    ref = {r["index"]: r["tokens"] for r in ref_records}
-    bpt = rt.facts.bytes_per_token
-    one = max(r["prefilled"] + max_new * len(r["tokens"]) for r in ref_records)  # one workflow's KV, nothing shared
-    working = sum(len(rt.tokenizer(d)["input_ids"]) for d in docs) + sum(r["prefilled"] for r in ref_records) // n * 4
-    budget = max(int(budget_fraction * working * bpt), one * bpt)
-    log(f"reference: {n} workflows, {sum(r['prefilled'] for r in ref_records)} tokens prefilled by text replay; "
-        f"budget {budget / 2**20:.1f} MiB per worker")
-    rows = []
+    rows, budget, reference = [], None, []
     for rep in range(reps):
+        salt = f"agent-tools-{rep}-{time.time_ns() % (1 << 30)}"
+        builder = lambda a, doc, salt_, max_new_: workflow(a.index, doc, salt_, max_new_, calls, latency, 1)  # noqa: E731
         arrivals = schedule(n, rate, doc_of, seed=10 + rep)
-        order = list(systems) if rep % 2 == 0 else list(systems)[::-1]
-        for system in order:
+        others = [s for s in systems if s != "text"]
+        ref = None
+        for system in ["text"] + (others if rep % 2 == 0 else others[::-1]):
             S.reset_caches(b)
-            b.retain_bytes = budget
-            rt.configure(kv_budget_bytes=budget)
+            if budget is not None:
+                b.retain_bytes = budget
+                rt.configure(kv_budget_bytes=budget)
             before = _counters(b, system)
             t0 = time.time()
             try:
@@ -179,15 +169,26 @@ def stream(b: S.Bench, n: int, rate: float, docs: list[str], max_new: int, calls
             finally:
                 rt.configure(unset_budget=True)
                 b.retain_bytes = le.DEFAULT_RETAIN
+            if system == "text":
+                failed = [r["error"] for r in records if "error" in r]
+                if failed:
+                    raise RuntimeError(f"text replay failed: {failed[0]}")
+                ref = {r["index"]: r["tokens"] for r in records}
+                reference.append(sum(r["prefilled"] for r in records))
+                if budget is None:  # part of the working set, never less than one workflow's whole KV
+                    bpt = rt.facts.bytes_per_token
+                    one = max(r["prefilled"] + max_new * len(r["tokens"]) for r in records)
+                    working = sum(len(rt.tokenizer(d)["input_ids"]) for d in docs) + sum(r["prefilled"] for r in records) // n * 4
+                    budget = max(int(budget_fraction * working * bpt), one * bpt)
+                    log(f"budget {budget / 2**20:.1f} MiB per worker (the first text replay ran without one)")
             after = _counters(b, system)
             delta = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after}
-            rows.append(_row(system, rep, records, ref, budget, delta))
+            rows.append(_row(system, rep, records, ref, budget if system != "text" or rep else None, delta))
             r = rows[-1]
             log(f"  rep {rep} {system:<5} mean latency {r['latency_mean_s']:6.2f}s p95 {r['latency_p95_s']:6.2f}s "
                 f"prefilled {r['tokens_prefilled']:6d} wrong {r['wrong']} errors {len(r['errors'])} "
                 f"waits {r['wait_decisions']} evictions {r.get('evictions')} ({time.time() - t0:.0f}s)")
-    return {"rows": rows, "budget_bytes": budget, "reference_tokens_prefilled": sum(r["prefilled"] for r in ref_records),
-            "reference_records": [{k: r.get(k) for k in ("index", "kind", "prefilled", "levels")} for r in ref_records]}
+    return {"rows": rows, "budget_bytes": budget, "reference_tokens_prefilled": reference}
 
 
 def summary(rows: list[dict]) -> dict:

@@ -62,6 +62,9 @@ class KVWait:
     def _facts(self, state, tool: Tool) -> WaitFacts:
         view = self.rt.view()
         worker = state.state.worker
+        if worker is None and state.futures:  # made without a prefill (all cached): where its last block is
+            held = list(self.rt.client.who_has([state.futures[-1]]).values())
+            worker = next(iter(held[0]), None) if held and held[0] else None
         load = view.workers.get(worker)
         store = None
         if self.rt.store is not None:
