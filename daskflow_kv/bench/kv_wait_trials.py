@@ -114,8 +114,9 @@ def _arm_in_run(rt, action: str, texts: dict, size: int, regime: str, wait_s: fl
     while (now := time.time()) < t0 + wait_s:
         due = kw.next_due()
         time.sleep(max(0.0, min(t0 + wait_s, due if due is not None else t0 + wait_s) - now))
-        kw.prefetch_due(states)
-    back = time.time()  # the tool returns: the next turn
+        kw.prefetch_due()
+    back = t0 + wait_s  # the tool returns: the next turn
+    kw.collect(states)
     held = states.pop("conv", None)
     gen, gave_up = None, None
     for attempt in range(RESUME_TRIES):
@@ -133,6 +134,7 @@ def _arm_in_run(rt, action: str, texts: dict, size: int, regime: str, wait_s: fl
     # Given up: the turn never ran; its cost is at least the time until then (a lower bound).
     delay = gen.metrics["first_token_at"] - back if gen is not None else time.time() - back
     rt.release_many([s for s in (held, gen.state if gen else None, *pinned) if s is not None])
+    kw.close()
     th.join(timeout=120)
     if budget is not None:
         rt.configure(unset_budget=True)

@@ -181,14 +181,16 @@ class GrowingRun:
             self.done.add(name)
             self.tool_results[name] = {"text": out.text, "seconds": out.seconds, "worker": out.worker,
                                        "waited_s": time.time() - self.calls.submitted_at[name]}
-        if self.wait is not None and self.held is not None:
-            self.wait.prefetch_due(self.held)
+        if self.wait is not None:
+            self.wait.prefetch_due()
+            if self.held is not None:
+                self.wait.collect(self.held)
 
     # -- after a level --------------------------------------------------------------------------
     def after_level(self, names, outputs: dict, states: dict | None) -> None:
         self.done.update(names)
         self.held = states
-        self._advance(outputs)
+        self._advance(outputs)  # collects the read-back states too: the rule below sees them
         if states is None:
             return
         followed = {a.follows for a in self.spec.agents.values() if a.follows and a.name not in self.ran}
@@ -219,6 +221,8 @@ class GrowingRun:
         """Complete the run's graph and result; raise ``ToolFailed`` if a tool failed."""
         self.cw.data_edges = data_edges(self.spec)
         result.tools = dict(self.tool_results)
+        if self.wait is not None:
+            self.wait.close()
         if self.failed:
             self.calls.cancel()
             name, err = next(iter(self.failed.items()))

@@ -7,8 +7,9 @@ speed, the holding worker's prefill profile, KV bytes and budget - and acts:
 
 keep   the continuation state stays in the run's held states (pinned);
 spill  its blocks are written to the store (``PersistentTier.write_state``) and released;
-       ``prefetch_after`` seconds into the call it is materialized again (a memory hit if
-       the budget left it, else read back from the store) and held for the next turn;
+       ``prefetch_after`` seconds into the call it is materialized again on a thread of its
+       own (a memory hit if the budget left it, else read back from the store) and held for
+       the next turn;
 drop   it is released: the next turn's lookup finds what the budget left, and prefills
        the rest.
 
@@ -19,7 +20,9 @@ prefix, so the choice moves time, never tokens. Each decision is a line of the r
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +46,10 @@ class KVWait:
     rt: object  # the KVRuntime the run uses
     forced: str | None = None  # keep | spill | drop for every call (a benchmark's arm); None: the policy
     decisions: list[dict] = field(default_factory=list)  # one per call, in order
-    _prefetch: list[Prefetch] = field(default_factory=list)
+    _prefetch: list[Prefetch] = field(default_factory=list)  # reads not started yet
+    _threads: list[threading.Thread] = field(default_factory=list)  # reads started
+    _ready: list[tuple] = field(default_factory=list)  # (prefetch, state, time.time()) read, not collected
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin(self, conversation: str, states: dict, tool: Tool, started_at: float, note) -> WaitDecision:
         """``states[conversation]`` waits on ``tool`` (submitted at ``started_at``): decide and act."""
@@ -82,18 +88,48 @@ class KVWait:
         """The call returned before its prefetch: the next turn's own lookup reads the state."""
         self._prefetch = [p for p in self._prefetch if p.tool != tool]
 
-    def prefetch_due(self, states: dict, now: float | None = None) -> None:
-        """Read back the spilled states whose time has come; each is held until its next turn."""
+    def prefetch_due(self, now: float | None = None) -> None:
+        """Start reading back the spilled states whose time has come, each on its own thread:
+        a read waits for the budget's room like any task, and the run must not wait with it
+        (its other branches go on). ``collect`` hands them to the run."""
         now = time.time() if now is None else now
         due = [p for p in self._prefetch if p.due <= now]
         self._prefetch = [p for p in self._prefetch if p.due > now]
         for p in due:
-            try:
-                states[p.conversation] = self.rt.materialize(list(p.tokens))
-            except Exception as e:  # noqa: BLE001 -- a prefetch is a hint: the next turn looks it up anyway
-                logger.debug("daskflow-kv: prefetch of %s failed: %s", p.conversation, e)
-                continue
+            th = threading.Thread(target=contextvars.copy_context().run, args=(self._read_back, p), daemon=True,
+                                  name=f"kv-prefetch-{p.conversation}")
+            self._threads.append(th)
+            th.start()
+
+    def _read_back(self, p: Prefetch) -> None:
+        try:
+            state = self.rt.materialize(list(p.tokens))
+        except Exception as e:  # noqa: BLE001 -- a prefetch is a hint: the next turn looks it up anyway
+            logger.debug("daskflow-kv: prefetch of %s failed: %s", p.conversation, e)
+            return
+        with self._lock:
+            self._ready.append((p, state, time.time()))
+
+    def collect(self, states: dict) -> None:
+        """Hand the states read back so far to the run: each held until its next turn (one the
+        run holds already, or whose turn has run, is let go)."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for p, state, at in ready:
+            if p.conversation in states:
+                self.rt.release(state)
+            else:
+                states[p.conversation] = state
             for rec in reversed(self.decisions):
                 if rec["conversation"] == p.conversation and rec["tool"] == p.tool:
-                    rec["prefetched_at"] = time.time()
+                    rec["prefetched_at"] = at
                     break
+
+    def close(self, timeout: float = 30.0) -> None:
+        """The run ended: wait for reads in flight and let go of what they bring back."""
+        self._prefetch.clear()
+        for th in self._threads:
+            th.join(timeout)
+        with self._lock:
+            ready, self._ready = self._ready, []
+        self.rt.release_many([state for _, state, _ in ready])
