@@ -38,8 +38,8 @@ def test_under_pressure_a_long_wait_spills_a_large_state():
     d = decide_wait(facts())  # 1,000 tokens: prefill 2.2 s, read back 0.08 s, wait 3 s
     assert d.action == "spill"
     assert d.t_spill < d.t_keep and d.t_spill < d.t_drop
-    # the read starts so as to end at the median wait: it is hidden unless the tool is early
-    assert d.prefetch_after == pytest.approx(3.0 - STORE.seconds(46 * MB))
+    # a fast store: read back at the longest measured wait (holding it earlier costs more)
+    assert d.prefetch_after == pytest.approx(4.0 - STORE.seconds(46 * MB))
 
 
 def test_under_pressure_without_a_store_a_cheap_prefill_drops():
@@ -65,10 +65,14 @@ def test_unmeasured_tool_uses_the_default_wait_and_forced_wins():
     assert d.action == "drop" and d.reason == "forced"
 
 
-def test_spill_timing_minimizes_the_visible_reload_plus_the_early_hold():
-    p, spread = spill_timing([1.0, 2.0, 9.0], reload_s=0.5)
-    assert p == pytest.approx(1.5)  # median 2.0 - 0.5
-    assert spread == pytest.approx((1.0 + 0.0 + 7.0) / 3)
+def test_spill_timing_weighs_the_reload_left_visible_against_holding_it_early():
+    # a fast store: reading back on return costs L at most; reading early costs holding: read late
+    p, cost = spill_timing([1.0, 2.0, 9.0], reload_s=0.05)
+    assert p == pytest.approx(9.0 - 0.05) and cost == pytest.approx(0.1 / 3)
+    # a slow store and a tool that returns on time: start the read so it ends as the call does
+    p, cost = spill_timing([2.0, 2.1, 2.2, 2.3], reload_s=1.5)
+    assert p == pytest.approx(2.1 - 1.5) and cost == pytest.approx(0.1)  # ends between the waits, the earliest of a tie
+    assert cost < 1.5  # reading on return would show the whole read
     assert spill_timing([0.1], reload_s=0.5)[0] == 0.0  # never before the call starts
 
 

@@ -6,9 +6,9 @@ A ReAct agent that called a tool holds a continuation state (``nbytes`` of K/V o
 keep   the blocks stay pinned in worker memory: the next step reuses them at once, but
        whoever needs that room during the wait waits for it (t_keep = q * W).
 spill  the blocks are written to the store and released; a prefetch reads them back
-       ``prefetch_after`` seconds into the call (the wait's median minus the read), so
-       the reload is hidden unless the tool returns early, and the reloaded blocks are
-       held only late (t_spill = write + q * E|W - (p + L)|).
+       ``prefetch_after`` seconds into the call (``spill_timing``: the time that least
+       costs the reload left visible plus the holding after it), so the reload is hidden
+       unless the tool returns early (t_spill = write + q * that cost).
 drop   the blocks are released; if the budget evicts them meanwhile the next step
        prefills them again (t_drop = q * R).
 
@@ -79,12 +79,23 @@ def expected_wait(durations: Sequence[float], default: float = DEFAULT_WAIT_S) -
 
 
 def spill_timing(durations: Sequence[float], reload_s: float, default: float = DEFAULT_WAIT_S) -> tuple[float, float]:
-    """(prefetch_after, E|W - (p + L)|): the read starts at p = median(W) - L (not before the
-    call), which minimizes the expected sum of the reload left visible (the tool returned
-    first) and the time the reloaded blocks are held before it returns."""
-    waits = list(durations) or [default]
-    p = max(0.0, statistics.median(waits) - reload_s)
-    return p, statistics.fmean(abs(w - (p + reload_s)) for w in waits)
+    """(prefetch_after, expected cost) of reading a spilled state back ``p`` s into the call.
+
+    For a tool that returns at w: before p the read is not started and the next turn reads
+    the state itself (L visible); after p + L it waits in memory, held for w - (p + L);
+    between, the rest of the read shows. p is the candidate (0, or a measured wait minus L)
+    with the least mean of visible + held over the measured waits - both weighed alike, as
+    seconds someone waits - the earliest on a tie: a fast store reads late (holding costs
+    more than reading), a slow one early."""
+    waits = sorted(durations) or [default]
+
+    def cost(p: float) -> float:
+        return statistics.fmean((reload_s if w <= p else max(0.0, p + reload_s - w)) + max(0.0, w - p - reload_s)
+                                for w in waits)
+
+    candidates = sorted({0.0, *(max(0.0, w - reload_s) for w in waits)})
+    best = min(candidates, key=lambda p: (round(cost(p), 9), p))
+    return best, cost(best)
 
 
 def decide_wait(f: WaitFacts, forced: str | None = None, default_wait: float = DEFAULT_WAIT_S) -> WaitDecision:
