@@ -143,14 +143,23 @@ def _counters(b: S.Bench, system: str) -> dict:
 
 
 def stream(b: S.Bench, n: int, rate: float, docs: list[str], max_new: int, calls: int, latency: tuple[float, float],
-           reps: int, budget_fraction: float, systems=SYSTEMS, log=print) -> dict:
-    """Per rep: text replay first (that rep's token reference; the first one sizes the budget),
-    then the other systems in alternating order, each from empty caches. Each rep has its own
-    session salt: nothing a rep cached or stored is another rep's hit. -> {"rows", ...}."""
+           reps: int, budget_fraction: float, systems=SYSTEMS, log=print, warmup: int = 4) -> dict:
+    """``warmup`` workflows in each system first (not recorded: a run without it had every
+    workflow of the first daskflow-kv stream 1.5-2x slower, tools or not). Then per rep: text
+    replay first (that rep's token reference; the first one sizes the budget), then the other
+    systems in alternating order, each from empty caches. Each rep has its own session salt:
+    nothing a rep cached or stored is another rep's hit. -> {"rows", ...}."""
     rt = b.rt
     doc_of = [i % len(docs) for i in range(n)]
     bench = [b, b]
     rows, budget, reference = [], None, []
+    if warmup:  # every system's code paths, connections and kernels warmed first; nothing recorded
+        warm = lambda a, doc, salt_, max_new_: workflow(a.index, doc, salt_, max_new_, calls, (0.1, 0.2), 0)  # noqa: E731
+        for system in systems:
+            S.reset_caches(b)
+            run_stream(bench, system, schedule(warmup, 60.0, doc_of[:warmup], seed=99), docs, f"warmup-{system}",
+                       max_new, build=warm, run_one=run_one)
+        log(f"warmed up: {warmup} workflows in each system")
     for rep in range(reps):
         salt = f"agent-tools-{rep}-{time.time_ns() % (1 << 30)}"
         builder = lambda a, doc, salt_, max_new_: workflow(a.index, doc, salt_, max_new_, calls, latency, 1)  # noqa: E731
