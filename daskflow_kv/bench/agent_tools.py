@@ -18,6 +18,10 @@ dkv     daskflow-kv state mode; a conversation waiting on a tool has its KV kept
 Tools run as Dask tasks in every system. Under the budget, dkv's per-worker KV budget and
 local's retained bytes are the same number.
 
+The budget: ``budget_fraction`` of a working set - the documents and four workflows' prompts
+(text replay's mean per workflow) - and never less than one workflow's whole KV as text
+replay holds it (exp 7's rule), so every workflow fits alone and a stream does not.
+
 Per (system, rep) a row: mean / p95 workflow latency (arrival to completion), tokens
 prefilled, agents whose tokens differ from text replay's, the wait decisions, evictions.
 """
@@ -124,7 +128,8 @@ def _row(system: str, rep: int, records: list[dict], ref: dict | None, budget: i
         "latency_p50_s": percentile(lat, 0.5), "latency_p95_s": percentile(lat, 0.95),
         "latency_mean_by_kind_s": {k: statistics.fmean(v) for k, v in by_kind.items()},
         "tokens_prefilled": sum(r["prefilled"] for r in ok),
-        "tool_calls": sum(len(r["tool_waits"]) for r in ok), "tool_calls_the_model_wrote": sum(r["own_calls"] for r in ok),
+        "tool_calls": sum(len(r["tool_waits"]) for r in ok),
+        "tool_calls_the_model_wrote": sum(r["own_calls"] for r in ok),
         "tool_wait_mean_s": statistics.fmean([w for r in ok for w in r["tool_waits"]]) if ok else math.nan,
         "wait_decisions": decisions, "kv_budget_bytes": budget, **counters,
         "records": [{k: r.get(k) for k in ("index", "kind", "arrived", "done", "prefilled", "levels", "tool_waits",
@@ -154,15 +159,19 @@ def stream(b: S.Bench, n: int, rate: float, docs: list[str], max_new: int, calls
     bench = [b, b]
     rows, budget, reference = [], None, []
     if warmup:  # every system's code paths, connections and kernels warmed first; nothing recorded
-        warm = lambda a, doc, salt_, max_new_: workflow(a.index, doc, salt_, max_new_, calls, (0.1, 0.2), 0)  # noqa: E731
+        def warm(a, doc, salt_, max_new_):
+            return workflow(a.index, doc, salt_, max_new_, calls, (0.1, 0.2), 0)
+
         for system in systems:
             S.reset_caches(b)
             run_stream(bench, system, schedule(warmup, 60.0, doc_of[:warmup], seed=99), docs, f"warmup-{system}",
                        max_new, build=warm, run_one=run_one)
         log(f"warmed up: {warmup} workflows in each system")
+    def builder(a, doc, salt_, max_new_):
+        return workflow(a.index, doc, salt_, max_new_, calls, latency, 1)
+
     for rep in range(reps):
         salt = f"agent-tools-{rep}-{time.time_ns() % (1 << 30)}"
-        builder = lambda a, doc, salt_, max_new_: workflow(a.index, doc, salt_, max_new_, calls, latency, 1)  # noqa: E731
         arrivals = schedule(n, rate, doc_of, seed=10 + rep)
         others = [s for s in systems if s != "text"]
         ref = None
@@ -187,7 +196,8 @@ def stream(b: S.Bench, n: int, rate: float, docs: list[str], max_new: int, calls
                 if budget is None:  # part of the working set, never less than one workflow's whole KV
                     bpt = rt.facts.bytes_per_token
                     one = max(r["prefilled"] + max_new * len(r["tokens"]) for r in records)
-                    working = sum(len(rt.tokenizer(d)["input_ids"]) for d in docs) + sum(r["prefilled"] for r in records) // n * 4
+                    working = sum(len(rt.tokenizer(d)["input_ids"]) for d in docs) \
+                        + sum(r["prefilled"] for r in records) // n * 4
                     budget = max(int(budget_fraction * working * bpt), one * bpt)
                     log(f"budget {budget / 2**20:.1f} MiB per worker (the first text replay ran without one)")
             after = _counters(b, system)

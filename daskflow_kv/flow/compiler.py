@@ -128,7 +128,8 @@ def agent_levels(wf: WorkflowSpec) -> list[list[str]]:
                 raise WorkflowError(
                     f"agent {agent.name!r} reads {src!r}, which is neither a context nor an agent "
                     f"(contexts: {sorted(wf.contexts)}; agents: {sorted(wf.agents)})"
-                    + (f"; tools: {sorted(wf.tools)}" if wf.tools else "") + (f"; steps: {sorted(wf.steps)}" if wf.steps else "")
+                    + (f"; tools: {sorted(wf.tools)}" if wf.tools else "")
+                    + (f"; steps: {sorted(wf.steps)}" if wf.steps else "")
                 )
     for tool in wf.tools.values():
         for src in tool.reads + tool.after:

@@ -348,6 +348,9 @@ def _run_mode(wf: WorkflowSpec, rt, mode: str, progress, parallel) -> WorkflowRe
         cw = compile_workflow(wf, rt.tokenizer, rt.facts.max_positions, rt.block_size)
         return run_text_mode(cw, rt, progress) if mode == "text" else run_state_mode(cw, rt, progress, parallel)
     cw, grow = growing.for_run(wf, rt, mode)
-    result = run_text_mode(cw, rt, progress, grow) if mode == "text" else run_state_mode(cw, rt, progress, parallel, grow)
+    if mode == "text":
+        result = run_text_mode(cw, rt, progress, grow)
+    else:
+        result = run_state_mode(cw, rt, progress, parallel, grow)
     grow.finish(result)
     return result

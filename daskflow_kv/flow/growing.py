@@ -109,7 +109,8 @@ class GrowingRun:
         known = self.done | set(self.spec.agents) | set(self.spec.tools) | set(self.spec.steps)
         missing = [r for r in refs if r not in known]
         if missing:
-            raise WorkflowError(f"step {step!r} adds {name!r}, which refers to {missing}: nothing of that name exists yet")
+            raise WorkflowError(f"step {step!r} adds {name!r}, which refers to {missing}: "
+                                "nothing of that name exists yet")
 
     # -- what runs next -------------------------------------------------------------------------
     def next_level(self, outputs: dict) -> list[str] | None:
