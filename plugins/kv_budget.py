@@ -100,6 +100,13 @@ def _younger(unit: list, than: list) -> bool:
     return not same_run and _rank(unit) > _rank(than)
 
 
+def _may_preempt_for(unit: list, line: tuple, over: set) -> bool:
+    """Quota floors hold across namespaces: a run of another tenant than the stuck line's is
+    preempted for it only while that tenant holds more than its quota there (``over``)."""
+    namespace = unit[0][2].namespace
+    return line[1] is None or namespace == line[1] or namespace in over
+
+
 def _unfreeable(wu, reserved: int) -> int:
     """KV bytes on a worker that eviction cannot free: pinned, or ``reserved`` for running tasks."""
     return reserved + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
@@ -128,7 +135,7 @@ class BudgetEnforcer:
                  quotas: Mapping[str, int] | None = None):
         self._scheduler = scheduler  # tasks to park, send, fail; workers to trim
         self._settings = settings  # kv_budget_bytes and admission_patience, read at each decision
-        self._quotas = dict(quotas or {})  # namespace -> KV bytes per worker guaranteed to it
+        self._quotas = {} if quotas is None else quotas  # namespace -> KV bytes per worker guaranteed (live)
         self._catalog = catalog  # eviction counters and each block's namespace
         self._usage = usage  # KV bytes per worker and what could be evicted
         self._events = events  # evict and over-budget events
@@ -371,8 +378,9 @@ class BudgetEnforcer:
             # and both come back to the same deadlock (a livelock). The oldest run of all is
             # never preempted for another, so it gets its room and the line moves.
             others = {}  # run -> one of its waiting units, youngest run first
+            over = self._over_quota(line[0], now)
             for unit, verdicts in by_age:
-                if _younger(unit, oldest[0]):
+                if _younger(unit, oldest[0]) and _may_preempt_for(unit, line, over):
                     others.setdefault(_run_of(unit), (unit, verdicts))
             plan = make_room(self._rooms(line[0], *oldest, now), list(others))
             if plan is None:
@@ -402,6 +410,13 @@ class BudgetEnforcer:
                 self._catalog.count("preemptions", namespace=held.namespace)
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
+
+    def _over_quota(self, worker: str, now: float) -> set:
+        """The tenants holding more than their quota on ``worker`` (none without quotas)."""
+        if not self._quotas or worker not in self._scheduler.workers:
+            return set()
+        held = self._usage.usage(self._scheduler.workers[worker], now).by_owner
+        return {ns for ns, n in held.items() if n > self._quotas.get(ns, 0)}
 
     def _rooms(self, planned: str, unit: list, verdicts: list, now: float) -> list[Room]:
         """The workers a stuck unit could run on, its planned one first, with the room it lacks
