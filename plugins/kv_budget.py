@@ -104,6 +104,13 @@ def _younger(unit: list, than: list) -> bool:
     return not same_run and _rank(unit) > _rank(than)
 
 
+def _may_preempt_for(unit: list, line: tuple, over: set) -> bool:
+    """Quota floors hold across namespaces: a run of another tenant than the stuck line's is
+    preempted for it only while that tenant holds more than its quota there (``over``)."""
+    namespace = unit[0][2].namespace
+    return line[1] is None or namespace == line[1] or namespace in over
+
+
 def _unfreeable(wu, reserved: int) -> int:
     """KV bytes on a worker that eviction cannot free: pinned, or ``reserved`` for running tasks."""
     return reserved + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
@@ -145,7 +152,7 @@ class BudgetEnforcer:
                  quotas: Mapping[str, int] | None = None, tiers: TierTracker | None = None):
         self._scheduler = scheduler  # tasks to park, send, fail; workers to trim
         self._settings = settings  # kv_budget_bytes and admission_patience, read at each decision
-        self._quotas = dict(quotas or {})  # namespace -> KV bytes per worker guaranteed to it
+        self._quotas = {} if quotas is None else quotas  # namespace -> KV bytes per worker guaranteed (live)
         self._catalog = catalog  # eviction counters and each block's namespace
         self._usage = usage  # KV bytes per worker and what could be evicted
         self._tiers = tiers  # which workers keep a spill disk, which blocks are on it (None: spill nothing)
@@ -349,8 +356,12 @@ class BudgetEnforcer:
             lacking = _unfreeable(wu, self._reserved_on(worker)) + need - budget
             if need <= 0 or lacking <= 0:
                 continue  # nothing asked there, or eviction alone makes the room
+            # Quota floors hold across namespaces: another tenant's blocks go only while it
+            # holds more than its quota there (as for preemption, ``_may_preempt_for``).
+            mine, over = unit[0][2].namespace, self._over_quota(worker, now)
             pins = [(k, self._usage.held_bytes(tasks[k], ws), runs)
-                    for k, _, runs in self._runs.pinned_blocks(worker, self._held) if k in tasks]
+                    for k, _, runs in self._runs.pinned_blocks(worker, self._held)
+                    if k in tasks and (not self._quotas or not runs or all(ns == mine or ns in over for ns, _ in runs))]
             ranks = {r: self._runs.rank_of(r) for _, _, runs in pins if runs for r in runs}
             order = spill_order(ranks, _run_of(unit), _rank(unit)[0])
             keep = frozenset(d.key for _, ts, _ in unit for d in ts.dependencies)
@@ -453,8 +464,9 @@ class BudgetEnforcer:
             # and both come back to the same deadlock (a livelock). The oldest run of all is
             # never preempted for another, so it gets its room and the line moves.
             others = {}  # run -> one of its waiting units, youngest run first
+            over = self._over_quota(line[0], now)
             for unit, verdicts in by_age:
-                if _younger(unit, oldest[0]):
+                if _younger(unit, oldest[0]) and _may_preempt_for(unit, line, over):
                     others.setdefault(_run_of(unit), (unit, verdicts))
             plan = make_room(self._rooms(line[0], *oldest, now), list(others))
             if plan is None:
@@ -484,6 +496,13 @@ class BudgetEnforcer:
                 self._catalog.count("preemptions", namespace=held.namespace)
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
+
+    def _over_quota(self, worker: str, now: float) -> set:
+        """The tenants holding more than their quota on ``worker`` (none without quotas)."""
+        if not self._quotas or worker not in self._scheduler.workers:
+            return set()
+        held = self._usage.usage(self._scheduler.workers[worker], now).by_owner
+        return {ns for ns, n in held.items() if n > self._quotas.get(ns, 0)}
 
     def _rooms(self, planned: str, unit: list, verdicts: list, now: float) -> list[Room]:
         """The workers a stuck unit could run on, its planned one first, with the room it lacks
