@@ -57,7 +57,7 @@ def _submit(client, key, **note):
 
 
 def _reserved(cluster) -> dict:
-    return dict(plugin(cluster).budget._reserved)
+    return {w: reserved for w, (_, reserved) in plugin(cluster).budget.counted_by_worker().items()}
 
 
 def test_an_unauthenticated_negative_reservation_changes_no_budget(cluster, record):

@@ -57,15 +57,18 @@ def peak_level_tokens(cw, outputs: dict[str, str], tokenizer, block_size: int) -
     """The most KV tokens one level of a workflow holds at once when run alone: per group of
     agents sharing a prefix, the prefix once, then each agent's copy of the prefix's partial
     last block, its suffix and its answer (what both systems reserve: ``local_pool.group_need``,
-    ``runtime.submit.Submitter.out_bytes``). No system can run the workflow in less; a budget
-    below it fails the workflow (``outputs``: every agent's text, from a run of it)."""
+    ``runtime.submit.Submitter.out_bytes``), and one block more per agent: a continuation of an
+    earlier level's state copies that state's partial last block while the state itself stays
+    pinned (a level 0.1 % over a floor without it was preempted until it gave up). No system can
+    run the workflow in less; a budget below it fails the workflow (``outputs``: every agent's
+    text, from a run of it)."""
     wf, most = cw.workflow, 0
     for names in cw.levels:
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, tokenizer) for n in names}
         need = sum(group_need(g.prefix_len, 0, [len(prompts[m]) - g.prefix_len for m in g.members],
                               max(wf.agents[m].max_new_tokens for m in g.members), block_size, 1)
                    for g in group_by_prefix(prompts, block_size))
-        most = max(most, need)
+        most = max(most, need + block_size * len(names))
     return most
 
 

@@ -28,6 +28,10 @@ from collections.abc import Sequence
 from ..errors import KVBudgetError
 from ..state.blocks import aligned_floor
 
+# Room frees through ``finish`` and ``clear``, which wake the line; a second look now and then
+# is the backstop for bytes freed any other way (a hold dropped elsewhere), so none waits forever.
+_LOOK_AGAIN_S = 1.0
+
 
 def group_need(prefix_len: int, cached: int, suffix_lens: Sequence[int], max_new: int, block_size: int,
                bytes_per_token: int) -> int:
@@ -80,8 +84,11 @@ class KVPool:
                         self.reserved += need
                         self._running[ticket] = (need, held)
                         return ticket
+                    before = eng.store.nbytes
                     eng.drop_hold(held)
-                    self._cond.wait()
+                    if eng.store.nbytes < before:
+                        continue  # ours was the last hold on cached blocks: they are gone, look again now
+                    self._cond.wait(timeout=_LOOK_AGAIN_S)
             finally:
                 self._line.remove(ticket)
                 self._cond.notify_all()  # the next in line looks again
