@@ -360,7 +360,7 @@ class BudgetEnforcer:
             # holds more than its quota there (as for preemption, ``_may_preempt_for``).
             mine, over = unit[0][2].namespace, self._over_quota(worker, now)
             pins = [(k, self._usage.held_bytes(tasks[k], ws), runs)
-                    for k, _, runs in self._runs.pinned_blocks(worker, self._held)
+                    for k, _, runs in self._runs.pinned_blocks(worker, self._held, spilling=True)
                     if k in tasks and (not self._quotas or not runs or all(ns == mine or ns in over for ns, _ in runs))]
             ranks = {r: self._runs.rank_of(r) for _, _, runs in pins if runs for r in runs}
             order = spill_order(ranks, _run_of(unit), _rank(unit)[0])

@@ -43,13 +43,18 @@ def pending_only_for_cache(ts, limit: int = 512) -> set | None:
     return cache_only
 
 
-def _waiting_for(ts, held: Mapping) -> set:
+def _waiting_for(ts, held: Mapping, spilling_on: str | None = None) -> set:
     """The runs whose preemption lets go of a block ``ts`` waits to read: its own run when
     admission parks it; else the runs of the parked tasks it waits for (a fork or a
-    replica of a parked prefill errs with it); {(None, None)} when none is parked."""
+    replica of a parked prefill errs with it); {(None, None)} when none is parked.
+    ``spilling_on``: asked for a spill from that worker instead - a task admitted on another
+    worker reads its copy there or fetches it (from the spill disk as well as from memory),
+    so it keeps this worker's copy only as its run does (idle workers waited for room behind
+    blocks that tasks on the other worker had long fetched)."""
     h = held.get(ts.key)
     if h is not None:
-        return {(h.namespace, h.flow) if h.worker is None else (None, None)}
+        away = spilling_on is not None and h.worker is not None and h.worker != spilling_on
+        return {(h.namespace, h.flow) if h.worker is None or away else (None, None)}
     up = {(u.namespace, u.flow) for u in (held.get(d.key) for d in ts.waiting_on or ())
           if u is not None and u.worker is None}
     return up or {(None, None)}
@@ -100,10 +105,12 @@ class RunLedger:
         preemption frees."""
         return [(n, runs) for _, n, runs in self.pinned_blocks(worker, held)]
 
-    def pinned_blocks(self, worker: str, held: Mapping) -> list[tuple[str, int, frozenset | None]]:
+    def pinned_blocks(self, worker: str, held: Mapping,
+                      spilling: bool = False) -> list[tuple[str, int, frozenset | None]]:
         """``pins_on`` with each key: (key, bytes, runs) - the cataloged blocks, then the other
         KV in memory there that something keeps (a rebuilt prefix's private blocks, a
-        prefill's output not yet cut into blocks: what it adds to memory)."""
+        prefill's output not yet cut into blocks: what it adds to memory). ``spilling``: the
+        runs a spill would move them away from (``_waiting_for``)."""
         ws = self._scheduler.workers.get(worker)
         if ws is None:
             return []
@@ -115,16 +122,16 @@ class RunLedger:
             if not b.pinned or ts is None:
                 continue
             live = [states[sid] for sid in self._catalog.live_holders.get(b.key, ()) if sid in states]
-            out.append((b.key, b.nbytes, self._keeping(ts, live, held, now)))
+            out.append((b.key, b.nbytes, self._keeping(ts, live, held, now, worker if spilling else None)))
         for ts in ws.has_what:
             if ts.key in self._catalog.blocks or not self._usage.is_kv(ts.key) or not self._usage.pinned(ts, now):
                 continue
             nbytes = self._usage.held_bytes(ts, ws)
             if nbytes:
-                out.append((ts.key, nbytes, self._keeping(ts, [], held, now)))
+                out.append((ts.key, nbytes, self._keeping(ts, [], held, now, worker if spilling else None)))
         return out
 
-    def _keeping(self, ts, live: list, held: Mapping, now: float) -> frozenset | None:
+    def _keeping(self, ts, live: list, held: Mapping, now: float, spilling_on: str | None = None) -> frozenset | None:
         """The workflow runs keeping ``ts`` in memory (``live``: the states holding it); None
         when something no run accounts for keeps it too."""
         runs = {(st.namespace, st.flow) for st in live}
@@ -132,7 +139,7 @@ class RunLedger:
             if cs.client_key != CACHE_CLIENT and not any(st.client == cs.client_key for st in live):
                 runs |= self._usage.acquired_for(ts.key, cs.client_key) or {(None, None)}
         for w in ts.waiters or ():
-            runs |= _waiting_for(w, held)
+            runs |= _waiting_for(w, held, spilling_on)
         if self._usage.leased(ts.key, now):  # a lookup's lease: the runs it was taken for (ended on preemption)
             runs |= self._usage.lease_runs(ts.key) or {(None, None)}
         known = runs and all(flow is not None for _, flow in runs)

@@ -458,6 +458,31 @@ async def test_two_runs_each_pinning_the_others_room_both_run_after_spilling_the
     assert not events(plugin, "preempt")
 
 
+@gen_cluster(client=True, nthreads=TWO_WORKERS, config=PATIENT)
+async def test_a_block_a_task_on_the_other_worker_reads_is_spilled_for_room_where_it_waits(c, s, a, b):
+    """A task running on b reads run-old's block, which b fetched from a: a's copy is kept only
+    by run-old's state, so a task of run-new lacking room on a has that copy spilled instead
+    of a idling until the reader on b ends."""
+    plugin = await start_plugin(s, kv_budget_bytes=1000, evict_interval="50ms")
+    token = await login(c)
+    await until(lambda: plugin.tiers.can_spill(a.address), what="a's report that it keeps a spill disk")
+    block = submit_block(c, token, a.address, 600)
+    await block
+    await c.scheduler.kv_register_states(session=token, metas=[
+        {"state_id": "kvstate-run-old-00000001", "block_keys": [block.key], "op": "materialize", "tokens": 4,
+         "worker": a.address, "flow": "run-old"}])
+    opened = gate("reader-on-b")
+    reader = submit_compute(c, token, b.address, wait_at_gate, "reader-on-b", block, kv_out=10, flow="run-old")
+    await until(lambda: block.key in b.data, what="b's copy of the block")
+    try:
+        new = submit_compute(c, token, a.address, kv_value, 500, kv_out=500, flow="run-new")
+        assert len(await asyncio.wait_for(new, 10)) == 500
+        assert block.key in a.data.slow and not events(plugin, "preempt")
+    finally:
+        opened.set()
+    assert len(await reader) == 0
+
+
 @gen_cluster(client=True, nthreads=TWO_WORKERS, config=kv_config(**{"scheduler.admission-patience": "1s"}) | NO_SPILL_DISK)
 async def test_two_lines_stuck_on_each_other_preempt_only_the_younger_run(c, s, a, b):
     """run-old waits for room on a that run-new's state pins; run-new waits for room on b that
