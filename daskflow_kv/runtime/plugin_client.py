@@ -11,6 +11,7 @@ lookup answers a ``PrefixMatch``, a snapshot a ``ClusterView``. No other module 
 from __future__ import annotations
 
 import copy
+from concurrent.futures import CancelledError
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,10 @@ def gather_each(client: Client, futures: list):
     the finished ones' outputs while it waits for the slowest."""
     pending = dict(enumerate(futures))
     while pending:
-        done, _ = wait(list(pending.values()), return_when="FIRST_COMPLETED")
+        try:
+            done, _ = wait(list(pending.values()), return_when="FIRST_COMPLETED")
+        except CancelledError:  # Dask cancelled some (it lost the scheduler): their gather says why, by name
+            done = {f for f in pending.values() if f.cancelled()}
         for i in [i for i, f in pending.items() if f in done]:
             yield i, gather(client, [pending.pop(i)])[0]
 
