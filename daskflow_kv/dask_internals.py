@@ -48,6 +48,14 @@ def worker_addresses(client) -> list[str]:
     return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
+def worker_resources(client) -> dict[str, dict[str, float]]:
+    """Every worker's Dask resources (``{"search": 1}``), asked of the scheduler now, as
+    ``worker_addresses``: a tool that needs resources no worker has is refused before it waits
+    in ``no-worker`` for good."""
+    workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    return {w: dict(info.get("resources") or {}) for w, info in workers.items()}
+
+
 def send_on_stream(client, msg: dict) -> None:
     """Send ``msg`` to a scheduler stream handler on ``client``'s own batched stream (the
     connection ``update-graph`` travels on), in order with everything else it sends there."""

@@ -39,6 +39,17 @@ class WorkflowError(InvalidInputError):
     """A workflow spec is malformed (cycle, unknown agent, missing context, ...)."""
 
 
+class ToolFailed(DaskflowKVError, RuntimeError):
+    """A workflow's tool raised (its exception is ``__cause__``, as a Dask future's result
+    raises it). Raised once every branch that did not depend on the tool had finished:
+    ``result`` holds their outputs (a ``WorkflowResult``), their KV stays cached."""
+
+    def __init__(self, tool: str, message: str, result=None):
+        super().__init__(message)
+        self.tool = tool  # the tool's name in the workflow
+        self.result = result  # the run up to the failure
+
+
 class KVBudgetError(DaskflowKVError):
     """A task would take a worker's KV past its budget and nothing evictable makes room."""
 

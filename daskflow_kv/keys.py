@@ -18,6 +18,8 @@ run under it; ``<hex>`` is a block's content address or a task's random tail:
 ``kvreplica-…``    a prefix rebuilt on the worker that reads it (a recompute plan)
 ``kvstoreload-…``  blocks read from the persistent store, before they are cut into keys
 ``kvpersist-…``    a low-priority task that queues store writes of blocks already in memory
+``kvtool-…``       a workflow's tool call (``flow.tool_calls``): text, never K/V, so none of
+                   ``KINDS`` - the plugin neither places nor counts it
 =================  ==========================================================================
 
 (The local ``Engine`` tags its block keys with its namespace too: they are no Dask keys,
@@ -38,6 +40,7 @@ RESULT = "kvresult"
 REPLICA = "kvreplica"
 STORE_LOAD = "kvstoreload"
 PERSIST = "kvpersist"
+TOOL = "kvtool"  # a tool call's task (not one of KINDS: it holds text, placed by Dask alone)
 STATE = "kvstate"  # a state id (not a Dask key): kvstate-<op>-<12 hex>
 
 KINDS = (BLOCK, PREFILL, RESULT, REPLICA, STORE_LOAD, PERSIST)
@@ -118,6 +121,13 @@ def task_key(kind: str, namespace: str, *ident) -> str:
         raise ValueError(f"unknown key kind {kind!r}; expected one of {KINDS}")
     parts = [kind, *(str(i) for i in ident if i not in (None, "")), namespace_tag(namespace), secrets.token_hex(8)]
     return "-".join(parts)
+
+
+def tool_key(name: str, namespace: str) -> str:
+    """Key of a tool call ``name`` of ``namespace``: ``kvtool-<name>-<tag>-<16 hex>``; the
+    random tail keeps its output (a user's text) from being named by anyone else."""
+    ident = re.sub(r"[^A-Za-z0-9_.]", "_", str(name))[:40]
+    return "-".join((TOOL, ident, namespace_tag(namespace), secrets.token_hex(8)))
 
 
 def state_id(op: str) -> str:

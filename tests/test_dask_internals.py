@@ -430,6 +430,13 @@ def test_worker_addresses_are_asked_now_not_read_from_the_racing_cache(client, w
         assert worker_addresses(client) == sorted(workers)
 
 
+def test_worker_resources_are_what_each_worker_declared(client, workers):
+    """``worker_resources``: the scheduler's identity lists each worker's resources (none here)."""
+    from daskflow_kv.dask_internals import worker_resources
+
+    assert worker_resources(client) == {w: {} for w in workers}
+
+
 def test_kv_workers_start_without_dasks_malloc_trim_threshold(client):
     """``preloads.worker_environ``: the nanny spawns KV workers without it (its other variables stay)."""
     import os

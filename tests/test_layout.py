@@ -39,7 +39,7 @@ ALLOWED = {
                 "stats"},
     "runtime": {"plugins", "model", "store", "transport", "state", "policy", "keys", "errors", "config", "validation",
                 "dask_internals"},
-    "flow": {"runtime", "model", "state", "policy", "keys", "errors", "config", "validation"},
+    "flow": {"runtime", "model", "state", "policy", "keys", "errors", "config", "validation", "dask_internals"},
     "workflows": {"flow", "errors", "validation"},
     "bench": {"flow", "runtime", "engine", "plugins", "model", "store", "transport", "state", "policy", "keys",
               "errors", "config", "workflows", "validation", "dask_internals", "stats"},

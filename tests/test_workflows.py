@@ -4,7 +4,7 @@ materializes each shared prefix once, and prefills far fewer tokens."""
 import pytest
 
 from daskflow_kv.state.blocks import common_prefix_len
-from daskflow_kv.flow.compiler import group_by_prefix
+from daskflow_kv.flow.compiler import level_groups
 from daskflow_kv.flow.executor import Comparison, run_state_mode, run_text_mode
 from daskflow_kv.flow.prompts import prompt_tokens
 from daskflow_kv.runtime.cluster import embedded_runtime
@@ -42,7 +42,7 @@ def test_state_mode_matches_text_mode(rt, name):
     outputs = {a: r.text for a, r in cmp.text.agents.items()}
     for lvl, names in enumerate(graph.levels):
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
-        groups = group_by_prefix(prompts, rt.block_size)
+        groups = level_groups(wf, prompts, rt.block_size)
         nodes = [n for n in graph.state_nodes if n.level == lvl and n.kind == "materialize"]
         assert sorted(n.agents for n in nodes) == sorted(g.members for g in groups)
         assert not any(n.estimated for n in graph.state_nodes if n.level == lvl)

@@ -1,10 +1,12 @@
 """Runnable example workflows (installed as ``daskflow_kv.workflows``).
 
 Each module has ``build(..., tokenizer=None) -> Workflow``; ``WORKFLOWS`` maps CLI names
-to them and ``AGENT_PARAM`` names the parameter that ``--agents`` sets.
+to them and ``AGENT_PARAM`` names the parameter that ``--agents`` sets. ``AGENT_WORKFLOWS``
+are the ones whose graph grows at run time (tools, loops, best-of-n, ReAct): how many
+agents they run is known only when they end.
 """
 
-from . import debate, planner_solvers, rag, tree_of_thought
+from . import debate, debate_until, planner_solvers, rag, react_tools, tot_pruned, tree_of_thought
 
 WORKFLOWS = {
     "tot": tree_of_thought.build,
@@ -13,3 +15,8 @@ WORKFLOWS = {
     "planner": planner_solvers.build,
 }
 AGENT_PARAM = {"tot": "branch", "debate": "agents", "rag": "agents", "planner": "agents"}
+AGENT_WORKFLOWS = {
+    "react": react_tools.build,
+    "debate-until": debate_until.build,
+    "tot-pruned": tot_pruned.build,
+}

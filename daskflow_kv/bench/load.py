@@ -91,8 +91,11 @@ def _run_one(b: S.Bench, system: str, wf) -> dict:
 
 
 def run_stream(benches: list[S.Bench], system: str, arrivals, docs: list[str], salt: str, max_new: int,
-               timeout: float = 3600) -> list[dict]:
-    """Every arrival in its own thread at its time; one record per workflow."""
+               timeout: float = 3600, build=build, run_one=None) -> list[dict]:
+    """Every arrival in its own thread at its time; one record per workflow. ``build(arrival,
+    document, salt, max_new)`` makes its workflow, ``run_one(bench, system, workflow)`` runs it
+    (exp 7's own by default; ``bench.agent_tools`` gives its own)."""
+    run_one = run_one or _run_one
     records: list[dict | None] = [None] * len(arrivals)
     t0 = time.time()
 
@@ -102,7 +105,7 @@ def run_stream(benches: list[S.Bench], system: str, arrivals, docs: list[str], s
             time.sleep(delay)
         arrived = time.time()
         try:
-            out = _run_one(benches[a.client], system, build(a, docs[a.doc], salt, max_new))
+            out = run_one(benches[a.client], system, build(a, docs[a.doc], salt, max_new))
             records[a.index] = {"index": a.index, "doc": a.doc, "arrived": arrived, "done": time.time(), **out}
         except Exception as e:  # noqa: BLE001 -- recorded; the stream goes on
             records[a.index] = {"index": a.index, "doc": a.doc, "arrived": arrived, "done": math.nan,

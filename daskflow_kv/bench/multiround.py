@@ -26,8 +26,8 @@ import random
 import statistics
 import time
 
-from ..flow.compiler import compile_workflow, group_by_prefix
-from ..flow.executor import run_state_mode, run_text_mode
+from ..flow.compiler import compile_workflow, level_groups
+from ..flow.executor import run_state_mode, run_text_mode, taken_levels
 from ..flow.prompts import prompt_tokens
 from ..runtime.workflow_gate import admitted
 from ..runtime.workflow_run import new_run_name
@@ -51,27 +51,28 @@ def build(name: str, tokenizer, context: int, max_new: int, salt: str):
 
 
 # -- the local baseline over a compiled workflow ----------------------------------------------------
-def run_local_mode(cw, b: S.Bench) -> dict:
+def run_local_mode(cw, b: S.Bench, grow=None) -> dict:
     """Level by level like the executor; each group of agents sharing a prefix is routed
     over the per-worker engines and decoded as a batch there. {agents, wall_s, ...}. It passes
-    the cluster's workflow gate as the executor's modes do."""
+    the cluster's workflow gate as the executor's modes do. ``grow``: a workflow with tools or
+    steps, its levels taken as it grows (``flow.growing``; its tools run as in the other modes)."""
     with admitted(b.rt.plugin, new_run_name(cw.workflow.name)) as waited:
-        out = _local_levels(cw, b)
+        out = _local_levels(cw, b, grow)
     out["gate_wait_s"] = waited
     return out
 
 
-def _local_levels(cw, b: S.Bench) -> dict:
+def _local_levels(cw, b: S.Bench, grow=None) -> dict:
     rt, wf = b.rt, cw.workflow
     outputs: dict[str, str] = {}
     agents: dict[str, dict] = {}
     level_tokens, level_outs, prefills = [], [], []
     t0, wall0 = time.perf_counter(), time.time()
-    for lvl, names in enumerate(cw.levels):
+    for lvl, names in taken_levels(cw, grow, outputs):
         level_at = time.time()
         prompts = {n: prompt_tokens(wf, wf.agents[n], outputs, rt.tokenizer) for n in names}
         pending = []
-        for group in group_by_prefix(prompts, rt.block_size):
+        for group in level_groups(wf, prompts, rt.block_size):
             buckets: dict[int, list[str]] = {}
             for m in group.members:
                 buckets.setdefault(wf.agents[m].max_new_tokens, []).append(m)
@@ -97,6 +98,8 @@ def _local_levels(cw, b: S.Bench) -> dict:
                                     "first_token_at": br["first_token_at"], "level_started_at": level_at}
         level_tokens.append(computed)
         level_outs.append(outs_here)
+        if grow is not None:
+            grow.after_level(names, outputs, None)
     return {"agents": agents, "wall_s": time.perf_counter() - t0, "start": wall0, "level_tokens": level_tokens,
             "shared_ready_at": S._first_ready(wall0, level_outs[0]) if level_outs else None, "prefills": prefills}
 

@@ -5,7 +5,7 @@ over the model's context) and orders agents into levels: an agent runs once ever
 reads exists. Inside a level, agents whose prompts share a token prefix form a group: the
 prefix is materialized once, forked to the members, and each member resumes with its own
 suffix. Prompts that depend on upstream outputs are only known at run time, so groups are
-found per level as the run reaches it (``group_by_prefix``, the same function here and in
+found per level as the run reaches it (``level_groups``, the same function here and in
 the executor); at compile time those prompts are estimated with placeholder outputs of the
 upstream agents' maximum length.
 """
@@ -53,6 +53,17 @@ def group_by_prefix(prompts: Mapping[str, Sequence[int]], min_shared: int) -> li
     return out
 
 
+def level_groups(wf: WorkflowSpec, prompts: Mapping[str, Sequence[int]], min_shared: int) -> list[Group]:
+    """``group_by_prefix`` within each set of agents that continue the same conversation
+    (``follows`` the same agent; the agents that follow none are one set). A continuation
+    grouped with others on a shorter shared prefix - the system prompt and a document - would
+    prefill again the conversation its state already holds; its siblings share all of it."""
+    parts: dict[str | None, dict[str, Sequence[int]]] = {}
+    for name, toks in prompts.items():
+        parts.setdefault(wf.agents[name].follows, {})[name] = toks
+    return [g for part in parts.values() for g in group_by_prefix(part, min_shared)]
+
+
 @dataclass(slots=True)
 class StateNode:
     id: str  # "m0", "f0", "r:agent" ...
@@ -71,6 +82,8 @@ class CompiledWorkflow:
     state_nodes: list[StateNode] = field(default_factory=list)
     state_edges: list[tuple[str, str]] = field(default_factory=list)  # (producer node, consumer node)
     block_size: int = 64
+    taken: list[str] = field(default_factory=list)  # a growing run's decisions, in order (``flow.growing``)
+    owners: dict[str, str] = field(default_factory=dict)  # agent or tool a step added -> that step
 
     def visualize(self, filename: str | None = None, format: str = "svg", result=None):
         """Draw G_s with graphviz, as ``dask.visualize`` draws a task graph (``flow.visualize``).
@@ -88,7 +101,8 @@ class CompiledWorkflow:
 
     def explain(self) -> str:
         wf = self.workflow
-        lines = [f"workflow {wf.name}: {len(wf.contexts)} contexts, {len(wf.agents)} agents, {len(self.levels)} levels"]
+        lines = [f"workflow {wf.name}: {len(wf.contexts)} contexts, {len(wf.agents)} agents, {len(self.levels)} levels"
+                 + (f", {len(wf.tools)} tools" if wf.tools else "") + (f", {len(wf.steps)} steps" if wf.steps else "")]
         lines.append("data edges: " + ", ".join(f"{a}->{b}" for a, b in self.data_edges))
         for lvl, names in enumerate(self.levels):
             lines.append(f"level {lvl}: {', '.join(names)}")
@@ -96,21 +110,31 @@ class CompiledWorkflow:
                 est = " (estimated: upstream outputs unknown until run time)" if node.estimated else ""
                 lines.append(f"  {node.id:<14} {node.kind:<11} {node.tokens:>6} tok  {','.join(node.agents)}{est}")
         lines.append("state edges: " + ", ".join(f"{a}->{b}" for a, b in self.state_edges))
+        if self.taken:
+            lines.append("decided at run time:")
+            lines += [f"  {line}" for line in self.taken]
         return "\n".join(lines)
 
 
 def agent_levels(wf: WorkflowSpec) -> list[list[str]]:
     """The agents by topological level (declaration order inside one); a malformed spec
     (unknown name, cycle) raises ``WorkflowError``."""
+    known = set(wf.contexts) | set(wf.agents) | set(wf.tools) | set(wf.steps)
     for agent in wf.agents.values():
         if agent.follows is not None and agent.follows not in wf.agents:
             raise WorkflowError(f"agent {agent.name!r} follows {agent.follows!r}, which is not an agent")
         for src in agent.reads:
-            if src not in wf.agents and src not in wf.contexts:
+            if src not in known:
                 raise WorkflowError(
                     f"agent {agent.name!r} reads {src!r}, which is neither a context nor an agent "
                     f"(contexts: {sorted(wf.contexts)}; agents: {sorted(wf.agents)})"
+                    + (f"; tools: {sorted(wf.tools)}" if wf.tools else "")
+                    + (f"; steps: {sorted(wf.steps)}" if wf.steps else "")
                 )
+    for tool in wf.tools.values():
+        for src in tool.reads + tool.after:
+            if src not in known:
+                raise WorkflowError(f"tool {tool.name!r} reads {src!r}, which is not in workflow {wf.name!r}")
     level: dict[str, int] = {}
     visiting: list[str] = []
 
@@ -136,7 +160,24 @@ def agent_levels(wf: WorkflowSpec) -> list[list[str]]:
 
 def _upstream(wf: WorkflowSpec, name: str) -> list[str]:
     agent = wf.agents[name]
-    return [s for s in agent.reads if s in wf.agents] + ([agent.follows] if agent.follows else [])
+    return _agents_behind(wf, agent.reads, ()) + ([agent.follows] if agent.follows else [])
+
+
+def _agents_behind(wf: WorkflowSpec, names, path: tuple[str, ...]) -> list[str]:
+    """The agents among ``names``, and those behind the tools among them (what the tools read,
+    transitively): a tool runs between its readers' level and theirs. Steps are decided at
+    run time and count for nothing here."""
+    out = []
+    for src in names:
+        if src in wf.agents:
+            out.append(src)
+        elif src in wf.tools:
+            if src in path:
+                cycle = path[path.index(src):] + (src,)
+                raise WorkflowError(f"cycle in workflow {wf.name!r}: {' -> '.join(cycle)}")
+            tool = wf.tools[src]
+            out += _agents_behind(wf, tool.reads + tool.after, path + (src,))
+    return out
 
 
 def _ancestors(wf: WorkflowSpec, name: str) -> set[str]:
@@ -173,13 +214,13 @@ def _check_merges(wf: WorkflowSpec) -> None:
 
 
 def compile_workflow(wf: WorkflowSpec, tokenizer, max_positions: int, block_size: int) -> CompiledWorkflow:
-    if not wf.agents:
+    if not wf.agents and not wf.steps:
         raise WorkflowError(f"workflow {wf.name!r} has no agents")
     levels = agent_levels(wf)
     _check_merges(wf)
-    edges = [(src, a.name) for a in wf.agents.values() for src in a.reads + ((a.follows,) if a.follows else ())]
-    cw = CompiledWorkflow(wf, levels, edges, block_size=block_size)
-    empty = {n: "" for n in wf.agents}  # upstream outputs are unknown until run time
+    cw = CompiledWorkflow(wf, levels, data_edges(wf), block_size=block_size)
+    # upstream outputs (agents', tools', steps') are unknown until run time
+    empty = {n: "" for n in (*wf.agents, *wf.tools, *wf.steps)}
     for lvl, names in enumerate(levels):
         prompts = {}
         for name in names:
@@ -197,13 +238,19 @@ def compile_workflow(wf: WorkflowSpec, tokenizer, max_positions: int, block_size
     return cw
 
 
+def data_edges(wf: WorkflowSpec) -> list[tuple[str, str]]:
+    """(source, reader) for every agent's reads and follows and every tool's reads and after."""
+    edges = [(src, a.name) for a in wf.agents.values() for src in a.reads + ((a.follows,) if a.follows else ())]
+    return edges + [(src, t.name) for t in wf.tools.values() for src in t.reads + t.after]
+
+
 def add_level_nodes(cw: CompiledWorkflow, lvl: int, prompts: Mapping[str, Sequence[int]], estimated: bool) -> None:
     """Materialize/fork/resume nodes for one level; state edges from upstream resumes."""
     old = {n.id for n in cw.state_nodes if n.level == lvl}  # run time replaces the estimate
     cw.state_nodes = [n for n in cw.state_nodes if n.level != lvl]
     cw.state_edges = [e for e in cw.state_edges if e[1] not in old]
     wf = cw.workflow
-    for gi, group in enumerate(group_by_prefix(prompts, cw.block_size)):
+    for gi, group in enumerate(level_groups(wf, prompts, cw.block_size)):
         mid = f"m{lvl}.{gi}"
         cw.state_nodes.append(StateNode(mid, "materialize", group.prefix_len, group.members, lvl, estimated))
         for up in sorted({u for a in group.members for u in _upstream(wf, a)}):

@@ -6,6 +6,10 @@ an upstream agent's continuation state, and may split a cold one over idle worke
 ``parallel``), a fork, and one resume per agent placed by the cost model. Text mode sends
 every agent's whole prompt to a worker, the baseline. Both build prompts from the same
 text, so their tokens must agree exactly.
+
+A workflow with tools or steps (``growing``) runs the same levels, each asked of its
+``GrowingRun`` as the run reaches it (``grow``): the only hooks here are ``taken_levels``,
+``grow.keeps`` and ``grow.after_level``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from ..runtime.plugin_client import gather
 from ..runtime.workflow_gate import admitted, wait_turn
 from ..runtime.workflow_run import new_run_name, workflow_run
 from . import html_repr
-from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, group_by_prefix
+from . import growing
+from .compiler import CompiledWorkflow, add_level_nodes, compile_workflow, level_groups
 from .prompts import prompt_tokens
 from .spec import WorkflowSpec
 
@@ -82,6 +87,7 @@ class WorkflowResult:
     redone_tokens: int = 0  # prompt tokens the attempts later preempted (or killed) had prefilled: computed again
     killed_worker_redos: int = 0  # levels redone because Dask gave up on a task whose workers died
     gate_wait_s: float = 0.0  # s in the workflow gate's line before it started (wall_s and TTFTs count after)
+    tools: dict[str, dict] = field(default_factory=dict)  # tool -> its output text, worker, seconds (``growing``)
 
     @property
     def generated_tokens(self) -> int:
@@ -102,6 +108,7 @@ class WorkflowResult:
             "redone_tokens": self.redone_tokens,
             "killed_worker_redos": self.killed_worker_redos,
             "gate_wait_s": self.gate_wait_s,
+            "tools": self.tools,
         }
 
 
@@ -132,20 +139,30 @@ def _metrics(gen) -> dict:
     return gen.metrics if isinstance(gen.metrics, dict) else gen.metrics.as_dict()
 
 
-def run_text_mode(cw: CompiledWorkflow, rt, progress=None) -> WorkflowResult:
+def taken_levels(cw: CompiledWorkflow, grow, outputs: dict):
+    """(level, its agents): the compiled levels, or each next one as a growing run takes it."""
+    if grow is None:
+        yield from enumerate(cw.levels)
+        return
+    while (names := grow.next_level(outputs)) is not None:
+        cw.levels.append(names)
+        yield len(cw.levels) - 1, names
+
+
+def run_text_mode(cw: CompiledWorkflow, rt, progress=None, grow=None) -> WorkflowResult:
     with admitted(rt.plugin, new_run_name(cw.workflow.name)) as waited:  # the workflow gate, as state mode
-        result = _run_text_levels(cw, rt, progress)
+        result = _run_text_levels(cw, rt, progress, grow)
     result.gate_wait_s = waited
     return result
 
 
-def _run_text_levels(cw: CompiledWorkflow, rt, progress) -> WorkflowResult:
+def _run_text_levels(cw: CompiledWorkflow, rt, progress, grow=None) -> WorkflowResult:
     wf = cw.workflow
     outputs: dict[str, str] = {}
     results: dict[str, AgentResult] = {}
     level_tokens = []
     t0, wall0 = time.perf_counter(), time.time()
-    for lvl, names in enumerate(cw.levels):
+    for lvl, names in taken_levels(cw, grow, outputs):
         if progress:
             progress("text", lvl, len(cw.levels), names)
         level_at = time.time()
@@ -164,23 +181,26 @@ def _run_text_levels(cw: CompiledWorkflow, rt, progress) -> WorkflowResult:
                 first_token_at=m["first_token_at"], level_started_at=level_at,
                 finished_at=m["first_token_at"] + m["decode_s"],
             )
+        if grow is not None:
+            grow.after_level(names, outputs, None)
     return WorkflowResult(wf.name, "text", results, time.perf_counter() - t0, level_tokens, cw)
 
 
-def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None) -> WorkflowResult:
+def run_state_mode(cw: CompiledWorkflow, rt, progress=None, parallel=None, grow=None) -> WorkflowResult:
     """``parallel``: workers a group's shared prefix is prefilled over (KVRuntime.materialize:
-    "auto", 1, W; None: ``daskflow-kv.parallel.materialize``)."""
+    "auto", 1, W; None: ``daskflow-kv.parallel.materialize``). ``grow``: the ``GrowingRun``
+    of a workflow with tools or steps."""
     with workflow_run(cw.workflow.name) as run:  # under a budget, its tasks keep this run's place in line
         try:
             with admitted(rt.plugin, run) as waited:  # the workflow gate: at most so many runs per worker
-                result = _run_levels(cw, rt, progress, parallel, lambda: wait_turn(rt.plugin, run))
+                result = _run_levels(cw, rt, progress, parallel, lambda: wait_turn(rt.plugin, run), grow)
         finally:
             rt.end_run(run)
     result.gate_wait_s = waited
     return result
 
 
-def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> WorkflowResult:
+def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin, grow=None) -> WorkflowResult:
     """``rejoin``: waits until the workflow gate lets the run in again (a preempted run is sent
     back to its line)."""
     wf = cw.workflow
@@ -188,10 +208,10 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
     results: dict[str, AgentResult] = {}
     lineage: dict[str, list[dict]] = {}
     states = {}
-    followed = {a.follows for a in wf.agents.values() if a.follows}
     level_tokens, prefills, preemptions, redos, redone = [], [], 0, 0, 0
     t0, wall0 = time.perf_counter(), time.time()
-    for lvl, names in enumerate(cw.levels):
+    for lvl, names in taken_levels(cw, grow, outputs):
+        followed = {a.follows for a in wf.agents.values() if a.follows}  # a growing run adds agents
         if progress:
             progress("state", lvl, len(cw.levels), names)
         read_later = {r for later in cw.levels[lvl + 1:] for n in later for r in wf.agents[n].reads}
@@ -251,12 +271,14 @@ def _run_levels(cw: CompiledWorkflow, rt, progress, parallel, rejoin) -> Workflo
             # Keep a continuation live only when a later agent continues it (``follows``):
             # the rest stay cached for reuse but evictable, so under a KV budget the
             # workflow's pinned working set is what it still needs, not all it made.
-            if name in followed and wf.agents[name].policy != "evict":
+            if (name in followed or (grow is not None and name in grow.owner)) and wf.agents[name].policy != "evict":
                 states[name] = gen.state
             else:
                 done_with.append(gen.state)
         rt.release_many(done_with)
         level_tokens.append(computed)
+        if grow is not None:  # a step's agent is held until nothing continues it (``growing``)
+            grow.after_level(names, outputs, states)
     result = WorkflowResult(wf.name, "state", results, time.perf_counter() - t0, level_tokens, cw, lineage,
                             prefills=prefills, preemptions=preemptions, killed_worker_redos=redos,
                             redone_tokens=redone)
@@ -274,7 +296,7 @@ def _run_level(rt, wf, lvl: int, names, prompts: dict, read_later: set, parallel
     computed, made, done = 0, [], []
     buckets: dict[tuple, list] = {}
     try:
-        for group in group_by_prefix(prompts, rt.block_size):
+        for group in level_groups(wf, prompts, rt.block_size):
             first = prompts[group.members[0]]
             # Not waited for: the planner places the branches while the prefix is still being
             # made, so an idle worker may rebuild it in parallel rather than wait for a copy.
@@ -318,12 +340,23 @@ def run_workflow(wf: WorkflowSpec, mode: str = "state", runtime=None, parallel=N
             from ..runtime.cluster import embedded_runtime
 
             runtime = stack.enter_context(embedded_runtime(**runtime_kwargs))
-        cw = compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size)
         if mode == "text":
-            return run_text_mode(cw, runtime, progress=progress)
-        state = run_state_mode(cw, runtime, progress=progress, parallel=parallel)
+            return _run_mode(wf, runtime, "text", progress, parallel)
+        state = _run_mode(wf, runtime, "state", progress, parallel)
         if mode == "state":
             return state
-        text = run_text_mode(compile_workflow(wf, runtime.tokenizer, runtime.facts.max_positions, runtime.block_size),
-                             runtime, progress=progress)
-        return Comparison(state, text)
+        return Comparison(state, _run_mode(wf, runtime, "text", progress, parallel))
+
+
+def _run_mode(wf: WorkflowSpec, rt, mode: str, progress, parallel) -> WorkflowResult:
+    """Compile and run ``wf`` in one mode; a growing workflow on its own copy, as it grows."""
+    if not growing.grows(wf):
+        cw = compile_workflow(wf, rt.tokenizer, rt.facts.max_positions, rt.block_size)
+        return run_text_mode(cw, rt, progress) if mode == "text" else run_state_mode(cw, rt, progress, parallel)
+    cw, grow = growing.for_run(wf, rt, mode)
+    if mode == "text":
+        result = run_text_mode(cw, rt, progress, grow)
+    else:
+        result = run_state_mode(cw, rt, progress, parallel, grow)
+    grow.finish(result)
+    return result

@@ -37,6 +37,14 @@ def workflow_html(wf, levels: list[list[str]] | None, problem: str = "") -> str:
     if agent_rows:
         body += html_table(["agent", "level", "reads", "follows", "merge", "policy", "max new", "instructions"],
                            agent_rows)
+    tools, steps = getattr(wf, "tools", {}), getattr(wf, "steps", {})
+    if tools:
+        body += html_table(["tool", "kind", "reads", "resources", "retries"],
+                           [[escape(t.name), escape(t.kind), _names(t.reads), escape(str(t.resources or "-")),
+                             str(t.retries)] for t in tools.values()])
+    if steps:
+        body += html_table(["step (decided at run time)", "kind", "reads"],
+                           [[escape(st.name), escape(st.kind), _names(st.reads)] for st in steps.values()])
     return box(f"Workflow {wf.name}", sub, body)
 
 

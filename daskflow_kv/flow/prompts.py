@@ -12,6 +12,9 @@ tokens of the other's continuation state, and resumes from it instead of re-pref
 
 Chat models get their chat template; models without one get a plain layout with the same
 order and the same prefix property.
+
+A tool's output (``Workflow.tool``: a search, a calculation, a memory) is read like a
+context, under its title; a step's (a loop, best-of-n, ReAct) like an agent's answer.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ def render_body(wf: WorkflowSpec, agent: Agent, outputs: Mapping[str, str]) -> s
         if name in wf.contexts:
             ctx = wf.contexts[name]
             parts.append(f"## {ctx.title or ctx.name}\n{ctx.text.strip()}")
-        else:
+        elif name in wf.tools:  # a tool's, a search's or a memory's output: text like a context
+            parts.append(f"## {wf.tools[name].title or name}\n{outputs[name].strip()}")
+        else:  # an agent's output, or a step's (``flow.steps``: what it settled on)
             parts.append(f"## {name} said\n{outputs[name].strip()}")
     task = f"You are {agent.role}. {agent.instructions}" if agent.role else agent.instructions
     parts.append(f"## Task\n{task.strip()}")

@@ -1,6 +1,8 @@
 """Draw the stateful graph G_s with graphviz, as ``dask.visualize`` draws a task graph.
 
-Nodes: contexts (notes), agents (rounded boxes) and the KV operators the compiler inserts
+Nodes: contexts (notes), agents (rounded boxes), tools (components), steps decided at run
+time (hexagons: what a loop, best-of-n or ReAct step settled on, the agents and tools it
+added drawn as the run took them, its decisions in a note) and the KV operators the compiler inserts
 per level (materialize: a 3-D box, drawn doubled where it merges several upstream states;
 fork; resume: an ellipse), each level in its own frame. Edges: data edges (what an agent
 reads), state edges (how KV state flows between operators, bold) and a dashed edge from
@@ -29,7 +31,9 @@ from .. import validation
 from ..errors import DaskflowKVError
 
 FORMATS = ("svg", "png", "pdf", "jpeg", "jpg", "dot")
-SHAPES = {"context": "note", "agent": "box", "materialize": "box3d", "fork": "invhouse", "resume": "ellipse"}
+SHAPES = {"context": "note", "agent": "box", "materialize": "box3d", "fork": "invhouse", "resume": "ellipse",
+          "tool": "component", "step": "hexagon", "taken": "note"}
+MAX_TAKEN_LINES = 40  # run-time decisions drawn in the graph's note (explain() has them all)
 PLAN_COLOURS = {"reuse": "#c7e9c0", "transfer": "#fdd0a2", "recompute": "#fcbba1", "text": "#e0e0e0"}
 DATA, STATE, SERVES = "data", "state", "serves"  # the edges' classes
 
@@ -90,6 +94,8 @@ def to_graphviz(cw, result=None):
     ids = {("ctx", n): f"ctx{i}" for i, n in enumerate(wf.contexts)}
     ids |= {("agent", n): f"agent{i}" for i, n in enumerate(wf.agents)}
     ids |= {("state", node.id): f"state{i}" for i, node in enumerate(cw.state_nodes)}
+    ids |= {("tool", n): f"tool{i}" for i, n in enumerate(wf.tools)}
+    ids |= {("step", n): f"step{i}" for i, n in enumerate(wf.steps)}
     g = graphviz.Digraph("G_s")
     g.attr(rankdir="TB", labelloc="t", fontname="Helvetica", label=_label(f"workflow {wf.name}",
            f"{len(wf.contexts)} contexts, {len(wf.agents)} agents, {len(cw.levels)} levels"))
@@ -114,9 +120,10 @@ def to_graphviz(cw, result=None):
                          fillcolor=colour, **{"class": "agent"})
             for node in (n for n in cw.state_nodes if n.level == lvl):
                 _state_node(sub, ids["state", node.id], node, cw, wf, ran)
+    _operators(g, ids, wf, cw, run)
     for src, dst in cw.data_edges:
-        tail = ids.get(("ctx", src)) or ids["agent", src]
-        g.edge(tail, ids["agent", dst], color="#7f7f7f", **{"class": DATA})
+        tail = ids.get(("ctx", src)) or ids.get(("tool", src)) or ids.get(("step", src)) or ids["agent", src]
+        g.edge(tail, ids.get(("tool", dst)) or ids["agent", dst], color="#7f7f7f", **{"class": DATA})
     for src, dst in cw.state_edges:
         g.edge(ids["state", src], ids["state", dst], color="#1f77b4", penwidth="2", **{"class": STATE})
     for node in cw.state_nodes:
@@ -124,6 +131,28 @@ def to_graphviz(cw, result=None):
             g.edge(ids["state", node.id], ids["agent", node.agents[0]], style="dashed", color="#1f77b4",
                    arrowhead="none", **{"class": SERVES})
     return g
+
+
+def _operators(g, ids, wf, cw, run) -> None:
+    """Tools (with where and how long each ran, given a run), steps, and the run's decisions."""
+    ran_tools = getattr(run, "tools", None) or {}
+    for t in wf.tools.values():
+        lines = [t.kind + (f", needs {t.resources}" if t.resources else "")]
+        if t.name in ran_tools:
+            r = ran_tools[t.name]
+            lines.append(f"ran on {r['worker']}, {r['seconds']:.3f} s")
+        g.node(ids["tool", t.name], _label(t.name, *lines), shape=SHAPES["tool"], fillcolor="#dadaeb",
+               **{"class": "tool"})
+    for st in wf.steps.values():
+        g.node(ids["step", st.name], _label(st.name, f"{st.kind} step, decided at run time"), shape=SHAPES["step"],
+               fillcolor="#fdd0a2", **{"class": "step"})
+    for name, step in cw.owners.items():
+        g.edge(ids["step", step], ids.get(("tool", name)) or ids["agent", name], style="dotted", color="#e6550d",
+               arrowhead="none", **{"class": "adds"})
+    if cw.taken:
+        lines = cw.taken[:MAX_TAKEN_LINES] + ([f"... {len(cw.taken) - MAX_TAKEN_LINES} more"]
+                                              if len(cw.taken) > MAX_TAKEN_LINES else [])
+        g.node("taken", _label("decided at run time", *lines), shape=SHAPES["taken"], **{"class": "taken"})
 
 
 def _state_node(g, node_id: str, node, cw, wf, ran) -> None:

@@ -7,16 +7,19 @@ so the dependency points one way (spec <- compiler/executor <- Workflow).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .. import config, validation
 from ..errors import WorkflowError
-from . import html_repr, progress as progress_bar
+from . import html_repr, progress as progress_bar, steps as steps_
 from .compiler import CompiledWorkflow, agent_levels, compile_workflow
 from .executor import run_workflow
-from .spec import Agent, Context, WorkflowSpec
+from .operators import Corpus, MemoryKey, bm25_search, memory_read, memory_write
+from .spec import Agent, Context, Tool, WorkflowSpec, _names
+from .steps import Step, ToolCall
 
-__all__ = ["Agent", "Context", "Workflow", "tokenizer_and_limit"]
+__all__ = ["Agent", "Context", "Step", "Tool", "ToolCall", "Workflow", "tokenizer_and_limit"]
 
 
 def tokenizer_and_limit(model: str | None = None):
@@ -36,6 +39,61 @@ def tokenizer_and_limit(model: str | None = None):
 
 @dataclass(slots=True)
 class Workflow(WorkflowSpec):
+    # -- operators beside the agents (``Workflow.tool`` is the spec's) ---------------------------
+    def retrieve(self, name: str, corpus: Corpus, reads=(), k: int = 3, title: str = "", **options) -> str:
+        """The ``k`` best passages of ``corpus`` (``operators.Corpus``: a file every worker reads,
+        or passages scattered once) for the texts of ``reads`` joined as one query (BM25)."""
+        validation.instance("corpus", corpus, Corpus)
+        k = validation.integer("k", k, minimum=1, maximum=100)
+        return self.tool(name, bm25_search, reads, args=(corpus, k), kind="retrieve", title=title or name, **options)
+
+    def remember(self, name: str, key: str, reads, store: str = "default", **options) -> str:
+        """Write the texts of ``reads`` (joined) under ``key`` of memory ``store``; later runs
+        read it back (``recall``). Its output is what it wrote."""
+        validation.instance("key", key, str)
+        validation.instance("store", store, str)
+        return self.tool(name, memory_write, reads, args=(MemoryKey(store, key),), kind="memory", **options)
+
+    def recall(self, name: str, key: str, default: str = "", store: str = "default", **options) -> str:
+        """What memory ``store`` holds under ``key`` (``default`` when nothing was written),
+        read after this workflow's own writes of that key."""
+        validation.instance("key", key, str)
+        validation.instance("default", default, str)
+        mk = MemoryKey(store, key)
+        writes = tuple(t.name for t in self.tools.values() if t.fn is memory_write and t.args[:1] == (mk,))
+        after = writes + tuple(options.pop("after", ()))
+        return self.tool(name, memory_read, (), args=(mk, default), after=after, kind="memory", **options)
+
+    # -- parts decided at run time -------------------------------------------------------------
+    def step(self, step: Step) -> str:
+        """Add a ``steps.Step``: a plan that adds agents and tools as the run reaches it."""
+        validation.instance("step", step, Step)
+        self._new_name(step.name)
+        _names(f"step {step.name!r}:", "reads", step.reads)
+        self.steps[step.name] = step
+        return step.name
+
+    def loop(self, name: str, body: Callable, until: Callable[[str], bool], max_rounds: int, reads=()) -> str:
+        """Rounds until ``until(output)`` holds, at most ``max_rounds`` (``steps.loop``)."""
+        return self.step(steps_.loop(name, body, until, max_rounds, reads))
+
+    def best_of(self, name: str, candidate: Callable, n: int, score, keep: int = 1, reads=()) -> str:
+        """The best ``keep`` of ``n`` candidates by ``score`` (a function or a scoring agent's
+        instructions; ``steps.best_of``)."""
+        return self.step(steps_.best_of(name, candidate, n, score, keep, reads))
+
+    def beam(self, name: str, expand: Callable, width: int, keep: int, depth: int, score, reads=()) -> str:
+        """Expand, score and prune ``depth`` times, keeping ``keep`` (``steps.beam``)."""
+        return self.step(steps_.beam(name, expand, width, keep, depth, score, reads))
+
+    def react(self, name: str, instructions: str, tools: Mapping[str, Callable], reads=(), max_steps: int = 4,
+              propose: Callable[[int, str], ToolCall | None] | None = None, max_new_tokens: int = 48,
+              **tool_options) -> str:
+        """An agent that calls ``tools`` and continues its own conversation with each result
+        (``steps.react``); ``tool_options``: ``tool`` keywords for every call."""
+        return self.step(steps_.react(name, instructions, tools, reads, max_steps, propose, max_new_tokens,
+                                      tool_options=tool_options))
+
     # -- running ------------------------------------------------------------------------------
     def compile(self, tokenizer, max_positions: int, block_size: int | None = None) -> CompiledWorkflow:
         block_size = validation.setting("block-size", block_size, "block_size", validation.block_size)

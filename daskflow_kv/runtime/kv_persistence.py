@@ -89,6 +89,23 @@ class PersistentTier:
                                      allow_other_workers=True, priority=-10, pure=False)
             fire_and_forget(fut)
 
+    def write_state(self, state) -> int:
+        """Write a state's blocks the store lacks (a ``DistKVState``: a conversation spilled
+        while it waits for a tool, ``flow.kv_wait``), from the worker that holds it, in one
+        small task that only queues the writes there (the writer keeps the tensors: the state
+        may be released at once). -> how many blocks were queued."""
+        if self.store is None:
+            raise ValueError("no persistent store to spill to (KVRuntime(kv_store=...))")
+        todo = [(b, f) for b, f in zip(state.state.blocks, state.futures) if content_key(b.key) not in self._stored]
+        if todo:
+            reqs = [self.write_request(content_key(b.key), b.start, b.end) for b, _ in todo]
+            worker = state.state.worker
+            fut = self.client.submit(store_io.persist_blocks, reqs, *(f for _, f in todo),
+                                     key=task_key(PERSIST, self.namespace), workers=[worker] if worker else None,
+                                     allow_other_workers=True, pure=False)
+            gather(self.client, [fut])  # queued before the caller releases the blocks
+        return len(todo)
+
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every worker has written what it queued; how many writes are still pending."""
         if self.store is None:

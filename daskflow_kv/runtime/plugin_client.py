@@ -14,7 +14,7 @@ import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from distributed import Client
+from distributed import Client, wait
 from distributed.client import FutureCancelledError
 from distributed.comm.core import CommClosedError
 
