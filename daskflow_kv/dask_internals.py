@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 from distributed import Future
@@ -77,6 +78,29 @@ def current_connection() -> asyncio.Task | None:
         return asyncio.current_task()
     except RuntimeError:
         return None
+
+
+def stream_client(scheduler) -> str | None:
+    """The id of the client whose batched stream ``scheduler`` is serving at this moment (None
+    on a worker's stream, in an RPC, outside any stream).
+
+    Dask reads a client's stream inside ``Scheduler.add_client``, which awaits
+    ``handle_stream`` until the client leaves, so every stream handler of that stream (and
+    ``update_graph``) runs below that call's frame. Its ``client`` argument is the id the
+    connection registered with; no message can change it, unlike the ``client=`` a stream
+    handler is given (``merge(extra, msg)``: a message naming another client overrides it).
+    So it is read from that frame of the running call stack.
+    """
+    from distributed.scheduler import Scheduler
+
+    code = getattr(Scheduler.add_client, "__wrapped__", Scheduler.add_client).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is scheduler:
+            client = frame.f_locals.get("client")
+            return client if isinstance(client, str) else None
+        frame = frame.f_back
+    return None
 
 
 def connection_open(connection) -> bool:
@@ -188,6 +212,55 @@ def refuse_new_tasks(scheduler, keys: Collection, exc: BaseException, stimulus_i
     return [k for k, ts in erred.items() if scheduler.tasks.get(k) is not ts]
 
 
+def wire_error(value) -> str | None:
+    """Why Dask could not send ``value`` in a message (one line), or None when it can.
+
+    What the scheduler sends a worker (``compute-task``: the key, its priority, its
+    annotations) is packed with msgpack (``distributed.protocol.dumps``), pickling what
+    msgpack does not know; an integer outside 64 bits, or a value nested too deep, raises
+    instead - and Dask then drops the worker's whole stream (every client's tasks there
+    lose their results). Packed here with msgpack and Dask's own encoder, an object Dask
+    would pickle standing in as None (``dumps`` itself would log each failure as critical).
+    """
+    import msgpack
+    from distributed.protocol.serialize import msgpack_encode_default
+
+    def default(obj):
+        if isinstance(obj, int):  # msgpack hands an int here only when it is outside 64 bits
+            raise OverflowError("Integer value out of range")
+        encoded = msgpack_encode_default(obj)
+        return None if encoded is obj else encoded  # Dask pickles what msgpack does not know: it travels
+
+    try:
+        msgpack.dumps({"value": value}, default=default, use_bin_type=True)
+    except Exception as e:  # noqa: BLE001 -- whatever it is, the value cannot travel
+        return f"{type(e).__name__}: {e}"[:200]
+    return None
+
+
+def divert_worker_events(scheduler, topic: str, handler: Callable[..., None]) -> None:
+    """What workers log to ``topic`` goes to ``handler(worker=..., msg=...)`` only, never to
+    Dask's event log, which every client reads (``Client.get_events``, ``subscribe_topic``).
+
+    ``Worker.log_event`` sends its message on the worker's batched stream (``log-event``);
+    the scheduler's handler publishes it to the topic's subscribers and then the plugins'
+    ``log_event`` hooks. Other topics pass through. ``handler`` must not raise (a raise ends
+    the worker's stream); ``worker=`` is the message's, so check the stream it came on.
+    """
+    streams = scheduler.stream_handlers
+    logged = getattr(streams["log-event"], "daskflow_kv_original", streams["log-event"])
+    diverted_topic = topic
+
+    def diverted(worker=None, topic=None, msg=None, **kwargs):
+        if topic == diverted_topic:
+            handler(worker=worker, msg=msg)
+        else:
+            logged(worker=worker, topic=topic, msg=msg, **kwargs)
+
+    diverted.daskflow_kv_original = logged  # diverting again replaces this one, not wraps it
+    streams["log-event"] = diverted
+
+
 def strip_annotation(scheduler, task_states: Iterable, name: str) -> None:
     """Drop annotation ``name`` from new tasks before Dask ships them to workers.
 
@@ -261,6 +334,39 @@ def guard_worker_data(worker, refused: Callable[[Collection], BaseException | No
 
     guarded.daskflow_kv_guard = True
     worker.handlers["update_data"] = guarded
+
+
+def guard_task_finished(scheduler, refused: Callable[..., BaseException | None]) -> None:
+    """Check what a worker says a task returned before the scheduler takes the result.
+
+    A worker reports a finished task on its stream (``task-finished``, with the size it
+    measured, ``nbytes``); Dask then holds the result in memory there. ``refused(key,
+    worker, nbytes)`` returns the exception the task errs with instead, or None: the task
+    then errs as if it had raised on the worker (``handle_task_erred``), and Dask's own
+    handler, finding it erred, tells the worker to free the result. A ``refused`` that
+    raises refuses too (a check must not let through what it could not check).
+    """
+    from distributed.protocol.serialize import to_serialize
+
+    finished = scheduler.stream_handlers["task-finished"]
+    finished = getattr(finished, "daskflow_kv_original", finished)
+
+    def guarded(key=None, worker=None, stimulus_id=None, **msg):
+        try:
+            exc = refused(key, worker, msg.get("nbytes"))
+        except Exception as e:  # noqa: BLE001 -- fail closed
+            logger.exception("daskflow-kv: checking a finished task failed")
+            exc = PermissionError(f"the result could not be checked ({type(e).__name__}); refused")
+        ts = scheduler.tasks.get(key)
+        if exc is not None and ts is not None and ts.state == "processing":
+            logger.warning("daskflow-kv: a task's result was refused: %s", exc)
+            scheduler.handle_task_erred(key=key, worker=worker, stimulus_id=stimulus_id, run_id=msg.get("run_id"),
+                                        exception=to_serialize(exc), traceback=None,
+                                        exception_text=f"{type(exc).__name__}: {exc}", traceback_text="")
+        finished(key=key, worker=worker, stimulus_id=stimulus_id, **msg)
+
+    guarded.daskflow_kv_original = finished  # guarding again replaces this one, not wraps it
+    scheduler.stream_handlers["task-finished"] = guarded
 
 
 async def call_worker_from_scheduler(scheduler, address: str, op: str, **kwargs):

@@ -6,7 +6,8 @@ submitted (restricted to no worker, so Dask parks it in ``no-worker`` once its i
 exist) until ``policy.admission.admit`` says there is room. Room is made by evicting
 unpinned blocks *before* the task is sent: the worker receives the release and then the
 task on the same ordered stream, so it never holds both. Bytes promised to a task stay
-reserved until it finishes, so two tasks cannot be admitted into the same room. A task
+reserved until it finishes (the inputs it fetches until they arrive: they then count where
+they are, once), so two tasks cannot be admitted into the same room. A task
 that cannot fit yet waits in line; it fails (``KVBudgetError``, a clear message) only when
 it never can. The line is per worker and first come, first served by workflow run (a
 run's later levels go before runs that began after it; ``flow`` in the task's note), as a
@@ -66,7 +67,8 @@ class Held:
     out_bytes: int  # KV the task's output adds there
     namespace: str | None  # whose task it is (its events go there)
     since: float  # when it was submitted
-    reserved: int = 0  # bytes promised once admitted (output + fetched inputs)
+    reserved: int = 0  # bytes promised once admitted to its output
+    fetch: tuple = ()  # its KV inputs fetched to its worker: promised there too until they arrive
     worker: str | None = None  # where it was admitted
     gang: str | None = None  # tasks that must start together (a parallel prefill's chunks)
     gang_size: int = 1  # how many tasks the gang has
@@ -102,6 +104,13 @@ def _younger(unit: list, than: list) -> bool:
     return not same_run and _rank(unit) > _rank(than)
 
 
+def _may_preempt_for(unit: list, line: tuple, over: set) -> bool:
+    """Quota floors hold across namespaces: a run of another tenant than the stuck line's is
+    preempted for it only while that tenant holds more than its quota there (``over``)."""
+    namespace = unit[0][2].namespace
+    return line[1] is None or namespace == line[1] or namespace in over
+
+
 def _unfreeable(wu, reserved: int) -> int:
     """KV bytes on a worker that eviction cannot free: pinned, or ``reserved`` for running tasks."""
     return reserved + wu.used - sum(b.nbytes for b in wu.blocks if not b.pinned)
@@ -116,27 +125,39 @@ def _input_bytes(ts) -> dict[str, int]:
     return inputs
 
 
+def _why_no_spill(pins: list, keep: frozenset, wu, lacking: int) -> str:
+    """What holds a worker's memory when spilling cannot free the room a task lacks (for the
+    operator's snapshot): pinned blocks no run accounts for, those the task reads, views of
+    outputs still in memory, the rest of the KV (prefill outputs)."""
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    unclaimed = sum(n for k, n, runs in pins if not runs and k not in keep)
+    read = sum(n for k, n, _ in pins if k in keep)
+    claimed = sum(n for k, n, runs in pins if runs and k not in keep)
+    blocks = sum(b.nbytes for b in wu.blocks)
+    return (f"no spill frees {mib(lacking)}: pinned blocks run by nobody's idle state {mib(unclaimed)}, read by it "
+            f"{mib(read)}, spillable {mib(claimed)}; outside cataloged blocks {mib(max(0, wu.used - blocks))}")
+
+
 def _rank(unit: list) -> tuple:
     """A parked task's (or gang's) place in line: its run's start, then its own submission."""
     return min((h.rank, h.since) for _, _, h in unit)
 
 
 class BudgetEnforcer:
-    __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_tiers", "_events", "_quotas", "_held", "_reserved",
+    __slots__ = ("_scheduler", "_settings", "_catalog", "_usage", "_tiers", "_events", "_quotas", "_held",
                  "_admit_pending", "_evicting", "_flushed", "_over_budget", "_dirty", "_progress_at", "_floors", "_runs",
-                 "_orphans_checked", "on_preempt")
+                 "_orphans_checked", "_heads", "on_preempt")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, usage: KVUsage, events: EventLog,
                  quotas: Mapping[str, int] | None = None, tiers: TierTracker | None = None):
         self._scheduler = scheduler  # tasks to park, send, fail; workers to trim
         self._settings = settings  # kv_budget_bytes and admission_patience, read at each decision
-        self._quotas = dict(quotas or {})  # namespace -> KV bytes per worker guaranteed to it
+        self._quotas = {} if quotas is None else quotas  # namespace -> KV bytes per worker guaranteed (live)
         self._catalog = catalog  # eviction counters and each block's namespace
         self._usage = usage  # KV bytes per worker and what could be evicted
         self._tiers = tiers  # which workers keep a spill disk, which blocks are on it (None: spill nothing)
         self._events = events  # evict and over-budget events
         self._held: dict = {}  # key -> Held: KV tasks parked until admitted, or admitted and not finished
-        self._reserved: dict[str, int] = {}  # worker -> KV bytes promised to admitted, running tasks
         self._admit_pending = False  # something freed room: try the parked tasks again
         self._evicting: set = set()  # keys released by the budget, until Dask confirms
         self._flushed: set = set()  # those of them released under a budget of 0 (a deliberate flush)
@@ -148,6 +169,7 @@ class BudgetEnforcer:
         self._floors: dict[tuple, tuple] = {}
         self._runs = RunLedger(scheduler, catalog, usage)  # workflow runs: their place in line, what they pin
         self._orphans_checked = 0.0  # when parked tasks nobody needs were last let go
+        self._heads: dict[str, str] = {}  # worker -> why the oldest task waiting there waits (last admission pass)
         # (namespace, run) -> None: told of each run preempted to break a deadlock (the
         # workflow gate sends it back to its line and lets fewer runs in)
         self.on_preempt = None
@@ -206,7 +228,7 @@ class BudgetEnforcer:
             "held": [{"key": str(k), "state": getattr(tasks.get(k), "state", None), "worker": h.worker,
                       "target": h.target, "reserved": h.reserved, "out_bytes": h.out_bytes, "gang": h.gang,
                       "age_s": round(now - h.since, 1)} for k, h in self._held.items()],
-            "reserved": dict(self._reserved),
+            "reserved": {w: self._reserved_on(w) for w in self._scheduler.workers},
             "lines": [{"worker": line[0], "namespace": line[1], "oldest": str(key), "unfreeable": nbytes,
                        "since_room_grew_s": round(now - at, 1)} for line, (key, nbytes, at) in self._floors.items()],
             "pins": {line[0]: [(n, sorted(map(str, runs)) if runs is not None else None)
@@ -224,16 +246,19 @@ class BudgetEnforcer:
                 out[h.target] = out.get(h.target, 0) + 1
         return out
 
+    def waiting_heads(self) -> dict[str, str]:
+        """Worker -> why the oldest task waiting there waited at the last admission pass."""
+        return dict(self._heads)
+
     def counted_by_worker(self) -> dict[str, tuple[int, int]]:
         """Worker -> (KV bytes the budget counts in its memory, bytes reserved for running tasks)."""
         now = time.time()
-        return {addr: (self._usage.usage(ws, now).used, self._reserved.get(addr, 0))
+        return {addr: (self._usage.usage(ws, now).used, self._reserved_on(addr))
                 for addr, ws in self._scheduler.workers.items()}
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` is gone: nothing is reserved there; parked tasks planned there go elsewhere."""
         self._over_budget.discard(worker)
-        self._reserved.pop(worker, None)
         self._floors = {line: f for line, f in self._floors.items() if line[0] != worker}
         self.note_progress()
 
@@ -270,7 +295,7 @@ class BudgetEnforcer:
         elif finish == "released":  # back to waiting soon (or forgotten): parked again
             self._unreserve(held)
             if held.worker is not None:
-                held.worker, held.reserved = None, 0
+                held.worker, held.reserved, held.fetch = None, 0, ()
                 ts = self._scheduler.tasks.get(key)
                 if ts is not None:
                     di.pin(self._scheduler, ts, HOLD_WORKER)
@@ -278,7 +303,6 @@ class BudgetEnforcer:
     def _unreserve(self, held: Held) -> None:
         """An admitted task left its worker: its promised room is free (a waiting task may take it)."""
         if held.worker is not None:
-            self._reserved[held.worker] = self._reserved.get(held.worker, 0) - held.reserved
             self.note_progress()
 
     def admit(self, spilled: bool = False) -> None:
@@ -304,6 +328,7 @@ class BudgetEnforcer:
         stuck: set[tuple] = set()  # blocked lines where nothing can unblock the oldest
         for unit in sorted(units.values(), key=_rank):
             self._admit_unit(unit, now, stimulus, running, lines, blocked, stuck)
+        self._heads = {line[0]: why for line, why in blocked.items()}
         if blocked and not spilled and self._spill_for(lines, blocked, now, stimulus):
             self.admit(spilled=True)
         elif stuck:
@@ -328,16 +353,21 @@ class BudgetEnforcer:
             unit, verdicts = lines[line][0]
             need = sum(v.need for v in verdicts if v.worker == worker)
             wu = self._usage.usage(ws, now)
-            lacking = _unfreeable(wu, self._reserved.get(worker, 0)) + need - budget
+            lacking = _unfreeable(wu, self._reserved_on(worker)) + need - budget
             if need <= 0 or lacking <= 0:
                 continue  # nothing asked there, or eviction alone makes the room
+            # Quota floors hold across namespaces: another tenant's blocks go only while it
+            # holds more than its quota there (as for preemption, ``_may_preempt_for``).
+            mine, over = unit[0][2].namespace, self._over_quota(worker, now)
             pins = [(k, self._usage.held_bytes(tasks[k], ws), runs)
-                    for k, _, runs in self._runs.pinned_blocks(worker, self._held) if k in tasks]
+                    for k, _, runs in self._runs.pinned_blocks(worker, self._held)
+                    if k in tasks and (not self._quotas or not runs or all(ns == mine or ns in over for ns, _ in runs))]
             ranks = {r: self._runs.rank_of(r) for _, _, runs in pins if runs for r in runs}
             order = spill_order(ranks, _run_of(unit), _rank(unit)[0])
             keep = frozenset(d.key for _, ts, _ in unit for d in ts.dependencies)
             keys = blocks_to_spill(pins, order, lacking, keep)
             if not keys:
+                self._heads[worker] = self._heads.get(worker, "") + "; " + _why_no_spill(pins, keep, wu, lacking)
                 continue
             nbytes = sum(n for k, n, _ in pins if k in set(keys))
             di.send_to_worker_stream(self._scheduler, worker, {"op": SPILL_OP, "keys": [str(k) for k in keys]})
@@ -434,8 +464,9 @@ class BudgetEnforcer:
             # and both come back to the same deadlock (a livelock). The oldest run of all is
             # never preempted for another, so it gets its room and the line moves.
             others = {}  # run -> one of its waiting units, youngest run first
+            over = self._over_quota(line[0], now)
             for unit, verdicts in by_age:
-                if _younger(unit, oldest[0]):
+                if _younger(unit, oldest[0]) and _may_preempt_for(unit, line, over):
                     others.setdefault(_run_of(unit), (unit, verdicts))
             plan = make_room(self._rooms(line[0], *oldest, now), list(others))
             if plan is None:
@@ -466,6 +497,13 @@ class BudgetEnforcer:
                 di.fail_task(self._scheduler, key, KVPreempted(reason), stimulus)
         self.note_progress()
 
+    def _over_quota(self, worker: str, now: float) -> set:
+        """The tenants holding more than their quota on ``worker`` (none without quotas)."""
+        if not self._quotas or worker not in self._scheduler.workers:
+            return set()
+        held = self._usage.usage(self._scheduler.workers[worker], now).by_owner
+        return {ns for ns, n in held.items() if n > self._quotas.get(ns, 0)}
+
     def _rooms(self, planned: str, unit: list, verdicts: list, now: float) -> list[Room]:
         """The workers a stuck unit could run on, its planned one first, with the room it lacks
         on each. A gang stays on its planned workers (its chunks were placed together)."""
@@ -473,7 +511,7 @@ class BudgetEnforcer:
 
         def lacking(worker: str, need: int) -> int:
             wu = self._usage.usage(self._scheduler.workers[worker], now)
-            return max(1, _unfreeable(wu, self._reserved.get(worker, 0)) + need - budget)
+            return max(1, _unfreeable(wu, self._reserved_on(worker)) + need - budget)
 
         need = sum(v.need for v in verdicts if v.worker == planned)
         rooms = [Room(planned, lacking(planned, need), self._runs.pins_on(planned, self._held))]
@@ -539,7 +577,7 @@ class BudgetEnforcer:
         need = held.out_bytes + self._usage.incoming(ts, worker)
         wu = self._usage.usage(ws, now)
         promised_here = (promised or {}).get(worker, 0)
-        reserved = self._reserved.get(worker, 0) + promised_here
+        reserved = self._reserved_on(worker) + promised_here
         tenancy = NO_QUOTAS
         if self._quotas:
             by_owner = self._reserved_by_owner(worker)
@@ -567,12 +605,26 @@ class BudgetEnforcer:
             floor = self._floors[line] = (key, unfreeable, now)
         return floor[2]
 
+    def _promised(self, h: Held, worker: str) -> int:
+        """What admitted task ``h`` may still add to ``worker``'s memory: its output, and the
+        inputs it fetches until they are there (then they count where they are, once)."""
+        tasks, out = self._scheduler.tasks, h.reserved
+        for key in h.fetch:
+            ts = tasks.get(key)
+            if ts is not None and not any(ws.address == worker for ws in ts.who_has or ()):
+                out += ts.get_nbytes()
+        return out
+
+    def _reserved_on(self, worker: str) -> int:
+        """Bytes promised to tasks admitted on ``worker`` and still running (``_promised``)."""
+        return sum(self._promised(h, worker) for h in self._held.values() if h.worker == worker)
+
     def _reserved_by_owner(self, worker: str) -> dict[str | None, int]:
         """Bytes promised to each namespace's admitted, running tasks on ``worker``."""
         out: dict[str | None, int] = {}
         for h in self._held.values():
             if h.worker == worker:
-                out[h.namespace] = out.get(h.namespace, 0) + h.reserved
+                out[h.namespace] = out.get(h.namespace, 0) + self._promised(h, worker)
         return out
 
     def _apply(self, key, ts, held: Held, verdict: Verdict, stimulus: str) -> None:
@@ -580,9 +632,11 @@ class BudgetEnforcer:
         if action == ADMIT:
             self._evict(worker, victims, stimulus)
             back = self._read_back(ts, worker, stimulus)
-            need -= back  # counted where they are now: in the worker's memory
-            held.worker, held.reserved = worker, need
-            self._reserved[worker] = self._reserved.get(worker, 0) + need
+            fetch = tuple(d.key for d in ts.dependencies if self._usage.is_kv(d.key)
+                          and not any(w.address == worker for w in d.who_has or ()))
+            fetched = sum(d.get_nbytes() for d in ts.dependencies if d.key in fetch)
+            # read back: counted where they are now, in the worker's memory; fetched: until they arrive
+            held.worker, held.reserved, held.fetch = worker, max(0, need - back - fetched), fetch
             di.pin(self._scheduler, ts, worker)
             di.reschedule(self._scheduler, [key], stimulus)
         elif action == FAIL:
@@ -634,7 +688,7 @@ class BudgetEnforcer:
     def _trim(self, addr: str, ws, budget: int, now: float, stimulus: str) -> list:
         """Evict unpinned blocks on one worker until it is within the budget. -> evicted keys."""
         wu = self._usage.usage(ws, now)
-        room = budget - self._reserved.get(addr, 0)
+        room = budget - self._reserved_on(addr)
         if wu.used <= room:
             self._over_budget.discard(addr)
             return []

@@ -34,7 +34,7 @@ from .kv_events import EventLog
 from .kv_leases import LeaseBook, held
 from .kv_lifecycle import BlockLifecycle
 from .kv_locality import Locality
-from .kv_notes import MAX_LIST, MAX_TEXT
+from .kv_notes import MAX_BYTES, MAX_LIST, MAX_NUMBER, MAX_TEXT, MAX_TOKENS, real, shown
 from .kv_ownership import KeyOwnership
 from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
@@ -43,6 +43,13 @@ from .kv_timeline import KVTimeline
 from .kv_usage import KVUsage
 from .kv_views import KVViews
 from .tenants import AccessDenied, Session, TenantRegistry
+
+MAX_LIVE_STATES = 1 << 14  # live states one namespace may hold registered (each names its blocks)
+MAX_LIVE_BLOCK_REFS = 1 << 18  # block keys its live states list together (16M tokens in 64-token blocks)
+MAX_TOKEN_ID = 1 << 31  # a token id (any vocabulary is smaller)
+MAX_BLOCK_SIZE = 1 << 16  # tokens per block
+MAX_BANDWIDTH = 1e15  # bytes/s a probe may report (1 PB/s)
+MAX_LATENCY = 3600.0  # s per fetch a probe may report
 
 RPC_NAMES = ("kv_challenge", "kv_login", "kv_lookup", "kv_acquire", "kv_snapshot", "kv_register_states",
              "kv_release_states", "kv_catalog", "kv_counters", "kv_record_bandwidth", "kv_configure", "kv_evict_now",
@@ -77,8 +84,17 @@ class Arrivals:
 
 
 def _strings(name: str, value, most: int = MAX_LIST) -> list[str]:
-    if not isinstance(value, (list, tuple)) or len(value) > most or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{name} must be a list of at most {most} strings")
+    if (not isinstance(value, (list, tuple)) or len(value) > most
+            or not all(isinstance(v, str) and len(v) <= MAX_TEXT for v in value)):
+        raise ValueError(f"{name} must be a list of at most {most} strings of at most {MAX_TEXT} characters")
+    return list(value)
+
+
+def _ints(name: str, value, lo: int, hi: int, most: int = MAX_LIST) -> list[int]:
+    """A list of integers in [lo, hi] (no bools), or ValueError: bounded where it enters."""
+    if (not isinstance(value, (list, tuple)) or len(value) > most
+            or not all(type(v) is int and lo <= v <= hi for v in value)):
+        raise ValueError(f"{name} must be a list of at most {most} integers in [{lo}, {hi}]")
     return list(value)
 
 
@@ -114,12 +130,9 @@ class ClientHandlers:
     def _session(self, session: str | None) -> Session:
         return self._tenants.session(session)
 
-    def _admin(self, session: str | None, what: str) -> Session:
-        s = self._session(session)
-        if not s.is_admin:
-            raise AccessDenied(f"{what} changes what every tenant keeps: it needs the admin role "
-                               f"(namespace {s.namespace!r} has the user role)")
-        return s
+    async def _admin(self, session: str | None, confirm: str | None, what: str) -> Session:
+        """The caller's admin session, confirmed on its own stream (``tenants.admin``)."""
+        return await self._tenants.admin(session, confirm, what)
 
     # -- identity ---------------------------------------------------------------------------------
     def handle_challenge(self) -> str:
@@ -147,13 +160,11 @@ class ClientHandlers:
         """
         s = self._session(session)
         keys = _strings("keys", keys)
-        if (not isinstance(tokens, (list, tuple)) or len(tokens) > 1 << 24
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
-            raise ValueError("tokens must be a list of token ids")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if not isinstance(root, str):
-            raise ValueError("root must be a string")
+        tokens = _ints("tokens", tokens, 0, MAX_TOKEN_ID - 1, most=MAX_TOKENS)
+        if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {shown(block_size)}")
+        if not isinstance(root, str) or len(root) > MAX_TEXT:
+            raise ValueError(f"root must be a string of at most {MAX_TEXT} characters")
         match = self._catalog.lookup(root, keys, tokens, block_size, None if s.is_admin else s.namespace)
         usable_blocks = []
         for b in match.blocks:  # stop at the first block Dask does not hold, or not its namespace's
@@ -234,9 +245,12 @@ class ClientHandlers:
         state lists only its own namespace's blocks.
         """
         s = self._session(session)
-        metas = [self._state_meta(m, s) for m in (metas if isinstance(metas, (list, tuple)) else [None])]
+        if not isinstance(metas, (list, tuple)) or len(metas) > MAX_LIST:
+            raise ValueError(f"metas must be a list of at most {MAX_LIST} states")
+        metas = [self._state_meta(m, s) for m in metas]
         if len({m["state_id"] for m in metas}) < len(metas):
             raise ValueError("a state id appears twice in one registration")
+        self._room_for_states(s, metas)
         keys = {k for m in metas for k in m["block_keys"]}
         await self.arrivals.wait_for(lambda: keys <= self._scheduler.tasks.keys(), self._settings.register_wait)
         if s.client not in self._scheduler.clients:
@@ -255,6 +269,17 @@ class ClientHandlers:
                                 parents=list(meta.get("parents", ())), blocks=len(meta["block_keys"]),
                                 tokens=meta.get("tokens", 0), worker=meta.get("worker"),
                                 **{k: meta[k] for k in ("tokens_reused", "tokens_computed") if k in meta})
+
+    def _room_for_states(self, s: Session, metas: list[dict]) -> None:
+        """One namespace's live states are bounded (``MAX_LIVE_STATES``, ``MAX_LIVE_BLOCK_REFS``):
+        a state lives until its client releases it or leaves, so without a bound one tenant
+        could grow the scheduler's memory without limit (states listing no block, say)."""
+        live = [st for st in self._catalog.states.values() if st.status == "live" and st.namespace == s.namespace]
+        states = len(live) + len(metas)
+        refs = sum(len(st.block_keys) for st in live) + sum(len(m["block_keys"]) for m in metas)
+        if states > MAX_LIVE_STATES or refs > MAX_LIVE_BLOCK_REFS:
+            raise ValueError(f"namespace {s.namespace!r} would hold {states} live states listing {refs} blocks, more "
+                             f"than {MAX_LIVE_STATES} states or {MAX_LIVE_BLOCK_REFS} blocks: release some first")
 
     def _state_meta(self, meta, s: Session) -> dict:
         """One state's registration, checked: its id new, its blocks the caller's namespace's."""
@@ -327,40 +352,41 @@ class ClientHandlers:
                                 latency: float | None = None) -> None:
         """A calibration probe's figures, used for this namespace's plans (others keep theirs)."""
         s = self._session(session)
-        for name, v, optional in (("bandwidth", bandwidth, False), ("latency", latency, True)):
-            if (v is None and not optional) or (v is not None and (
-                    isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"))):
-                raise ValueError(f"{name} must be a positive, finite number, got {v!r}")
-        if not (isinstance(src, str) and isinstance(dst, str)):
-            raise ValueError("src and dst must be worker addresses")
+        for name, v, hi, optional in (("bandwidth", bandwidth, MAX_BANDWIDTH, False),
+                                      ("latency", latency, MAX_LATENCY, True)):
+            if (v is None and not optional) or (v is not None and not (real(v, 0, hi) and v > 0)):
+                raise ValueError(f"{name} must be a positive number of at most {hi:g}, got {shown(v)}")
+        workers = self._scheduler.workers
+        if not (isinstance(src, str) and isinstance(dst, str) and src != dst and src in workers and dst in workers):
+            # a pair of live workers only: any pair at all would grow the scheduler's memory without limit
+            raise ValueError("src and dst must be the addresses of two workers of this cluster")
         self._profiles.record_probe(s.namespace, src, dst, bandwidth, latency)
 
     # -- knobs that affect everyone ---------------------------------------------------------------
-    def handle_configure(self, session: str, kv_budget_bytes=None, memory_weight=None, unset_budget=False) -> None:
-        self._admin(session, "the KV budget and memory weight")
-        if kv_budget_bytes is not None and (isinstance(kv_budget_bytes, bool) or not isinstance(kv_budget_bytes, int)
-                                            or kv_budget_bytes < 0):
-            raise ValueError(f"kv_budget_bytes must be a non-negative integer, got {kv_budget_bytes!r}")
-        if memory_weight is not None and (isinstance(memory_weight, bool) or not isinstance(memory_weight, (int, float))
-                                          or not 0 <= memory_weight < float("inf")):
-            raise ValueError(f"memory_weight must be a non-negative, finite number, got {memory_weight!r}")
+    async def handle_configure(self, session: str, kv_budget_bytes=None, memory_weight=None, unset_budget=False,
+                               confirm: str | None = None) -> None:
+        await self._admin(session, confirm, "the KV budget and memory weight")
+        if kv_budget_bytes is not None and (type(kv_budget_bytes) is not int or not 0 <= kv_budget_bytes <= MAX_BYTES):
+            raise ValueError(f"kv_budget_bytes must be an integer in [0, {MAX_BYTES}], got {shown(kv_budget_bytes)}")
+        if memory_weight is not None and not real(memory_weight, 0, MAX_NUMBER):
+            raise ValueError(f"memory_weight must be a number in [0, {MAX_NUMBER:g}], got {shown(memory_weight)}")
         if kv_budget_bytes is not None or unset_budget:
             self._settings.kv_budget_bytes = kv_budget_bytes
         if memory_weight is not None:
             self._settings.memory_weight = memory_weight
         self._budget.enforce(force=True)  # a lower budget applies now, not at the next tick
 
-    def handle_evict_now(self, session: str) -> list[str]:
-        self._admin(session, "forced eviction")
+    async def handle_evict_now(self, session: str, confirm: str | None = None) -> list[str]:
+        await self._admin(session, confirm, "forced eviction")
         return self._budget.enforce(force=True)
 
-    def handle_drop(self, session: str) -> int:
+    async def handle_drop(self, session: str, confirm: str | None = None) -> int:
         """Before a cluster closes: the cache lets go of every block, and the caller's client of every key.
 
         Workers then leave holding nothing, instead of Dask reporting each cached block as
         lost. Admin only: it empties every tenant's cache. Returns how many blocks went.
         """
-        s = self._admin(session, "dropping the whole KV cache")
+        s = await self._admin(session, confirm, "dropping the whole KV cache")
         stimulus = f"kv-drop-{time.time()}"
         dropped = self._lifecycle.drop_cache(stimulus)
         cs = self._scheduler.clients.get(s.client)

@@ -1,10 +1,15 @@
-"""The plugin's lifecycle events and cost-model decisions: kept whole here, published cut short.
+"""The plugin's lifecycle events and cost-model decisions: kept here, shown per namespace.
 
 Every event (materialize, fork, resume, extend, merge, transfer, recompute, evict, lost,
 release, ...) is kept, with its namespace, in a bounded log the client API scopes per tenant
-and the dashboard reads; it also goes to Dask's event log under ``EVENT_TOPIC``
-(``client.get_events("daskflow-kv")``), which any client reads, so there its keys are cut
-short (``keys.short_key``: a full block key is a capability to fetch the block's K/V).
+(``kv_counters``, behind a session) and the dashboard reads.
+
+Dask's own event log is read by every client, logged in or not (``client.get_events``,
+``subscribe_topic``). An event there tells who prefilled what: namespace names, state ids,
+prompt lengths, cached-prefix lengths, timings - the cached-prefix side channel given away.
+So only an open scheduler (no tenants: one trust domain) also publishes its events there,
+under ``EVENT_TOPIC`` and with keys cut short (``keys.short_key``: a full block key is a
+capability to fetch the block's K/V); with tenants, nothing of them goes there.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ def _visible(entry: dict, namespace: str | None) -> bool:
 
 
 class EventLog:
-    __slots__ = ("_scheduler", "_events", "_decisions")
+    __slots__ = ("_scheduler", "_public", "_events", "_decisions")
 
-    def __init__(self, scheduler, max_events: int = 1024, max_decisions: int = 256):
+    def __init__(self, scheduler, max_events: int = 1024, max_decisions: int = 256, public: bool = True):
         self._scheduler = scheduler  # whose Dask event log gets the public copy
+        self._public = public  # copy events to Dask's event log (an open scheduler only)
         self._events: deque[dict] = deque(maxlen=max_events)  # recent lifecycle events, newest last
         self._decisions: deque[dict] = deque(maxlen=max_decisions)  # recent cost-model decisions, newest last
 
@@ -42,7 +48,8 @@ class EventLog:
         """A lifecycle event of ``namespace`` (None: the cluster's own)."""
         event = {"op": op, "time": time.time(), "namespace": namespace, **detail}
         self._events.append(event)
-        self._scheduler.log_event(EVENT_TOPIC, public_event(event))
+        if self._public:
+            self._scheduler.log_event(EVENT_TOPIC, public_event(event))
 
     def record_decision(self, decision: dict, namespace: str | None) -> None:
         """A placement the cost model chose (reuse, transfer, recompute), with its numbers."""

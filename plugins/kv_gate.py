@@ -35,7 +35,7 @@ from daskflow_kv.policy.workflow_gate import RENEW_S, BackOff, GateLine, gate_sl
 
 from .kv_notes import MAX_TEXT
 from .kv_settings import KVSettings
-from .tenants import AccessDenied, TenantRegistry
+from .tenants import TenantRegistry
 
 RPC_NAMES = ("kv_gate_enter", "kv_gate_leave", "kv_gate_configure")
 MAX_WAIT_S = 30.0  # longest a call waits before answering "not yet"
@@ -125,12 +125,10 @@ class WorkflowGate:
         self.admit()
         return was_inside
 
-    def handle_configure(self, session: str, per_worker=None) -> dict:
-        """Admin: the limit, running workflow runs per worker (None: none); applies at once."""
-        s = self._tenants.session(session)
-        if not s.is_admin:
-            raise AccessDenied("the workflow gate changes how long every tenant's workflows wait: it needs the "
-                               f"admin role (namespace {s.namespace!r} has the user role)")
+    async def handle_configure(self, session: str, per_worker=None, confirm: str | None = None) -> dict:
+        """Admin: the limit, running workflow runs per worker (None: none); applies at once.
+        ``confirm``: a challenge sent back on the admin's own stream (``tenants.admin``)."""
+        await self._tenants.admin(session, confirm, "the workflow gate (how long every tenant's workflows wait)")
         self._settings.workflow_gate = valid_per_worker(per_worker)
         self.admit()
         return self.view()

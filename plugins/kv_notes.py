@@ -4,8 +4,11 @@ A client writes the annotation (``runtime/submit.py``); the plugin trusts nothin
 but what it checks here: types, signs and bounds of every number (a negative ``kv_out``
 would lower a worker's reserved bytes and switch its budget off), the size of every list,
 and that a block's entry names the task's own key (a task may publish only the block it
-computes). A note that fails raises ``ValueError`` with one line saying which field and
-why; the plugin refuses the task with it (``kv_ownership``).
+computes). Numbers are compared as they came, never converted first: ``10**400`` is an
+int that no float holds (``math.isfinite`` raises on it), and a check that raises
+something else than its one-line ``ValueError`` must still refuse. A note that fails
+raises ``ValueError`` with one line saying which field and why; the plugin refuses the
+task with it, and with any other exception too (``kv_ownership``: it fails closed).
 
 Two roles: ``compute`` (a prefill, batch, chunk or store load: placement, admission,
 queue, decision) and ``block`` (the catalog entry of the block the task makes).
@@ -14,6 +17,7 @@ queue, decision) and ``block`` (the catalog entry of the block the task makes).
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 
 from daskflow_kv.keys import is_block, short_key, tag_of
@@ -24,6 +28,7 @@ MAX_TOKENS = 1 << 24  # token positions of one block
 MAX_LIST = 1 << 16  # entries of a note's lists (reads, tokens, branches)
 MAX_TEXT = 256  # characters of a note's strings
 MAX_GANG = 1024  # tasks in one gang
+MAX_NUMBER = 1e18  # magnitude of any other number in a note (a decision's seconds, ratios)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +69,17 @@ class BlockNote:
                 "persist": self.persist}
 
 
+def shown(value) -> str:
+    """``value`` for a one-line message: short, and never raising (``repr`` of an int past
+    4300 digits does, and of a huge list takes long)."""
+    try:
+        return reprlib.repr(value)[:60]
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__}>"
+
+
 def _fail(field: str, must: str, value) -> ValueError:
-    shown = repr(value)
-    return ValueError(f"kv annotation field {field!r} must be {must}, got {shown[:60]}")
+    return ValueError(f"kv annotation field {field!r} must be {must}, got {shown(value)}")
 
 
 def _int(note: dict, field: str, lo: int, hi: int, default=None) -> int:
@@ -76,11 +89,19 @@ def _int(note: dict, field: str, lo: int, hi: int, default=None) -> int:
     return v
 
 
+def real(v, lo: float, hi: float) -> bool:
+    """``v`` is an int or a finite float (no bool) in [lo, hi]: compared as it is, so an int
+    of any size is refused without being converted (``float(10**400)`` raises)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return (not isinstance(v, float) or math.isfinite(v)) and lo <= v <= hi
+
+
 def _seconds(note: dict, field: str) -> float | None:
     v = note.get(field)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_SECONDS:
+    if not real(v, 0, MAX_SECONDS):
         raise _fail(field, f"a number of seconds in [0, {MAX_SECONDS:g}]", v)
     return float(v)
 
@@ -107,13 +128,14 @@ def _decision(note: dict) -> dict | None:
         return None
     ok = isinstance(v, dict) and len(v) <= 64 and all(
         isinstance(k, str) and len(k) <= MAX_TEXT and (
-            x is None or isinstance(x, (bool, int, float)) or (isinstance(x, str) and len(x) <= MAX_TEXT))
+            x is None or isinstance(x, (bool, float)) or real(x, -MAX_NUMBER, MAX_NUMBER)
+            or (isinstance(x, str) and len(x) <= MAX_TEXT))
         for k, x in v.items())
-    if not ok:
-        raise _fail("decision", "a flat mapping of names to numbers, short strings or None", v)
+    if not ok:  # a float may be nan or inf (a link never measured): shown and kept, never summed
+        raise _fail("decision", f"a flat mapping of names to floats, integers within ±{MAX_NUMBER:g}, short "
+                                "strings or None", v)
     nbytes = v.get("nbytes", 0)
-    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, (int, float))
-                               or not 0 <= nbytes <= MAX_BYTES):
+    if nbytes is not None and not real(nbytes, 0, MAX_BYTES):
         raise _fail("decision.nbytes", f"a byte count in [0, {MAX_BYTES}]", nbytes)
     return dict(v)
 

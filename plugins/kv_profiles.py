@@ -44,7 +44,12 @@ class ProfileBook:
             self._probed_latency[(namespace, src, dst)] = float(latency)
 
     def forget_worker(self, worker: str) -> None:
+        """``worker`` left: its samples and every probe of a link to or from it go (probes name
+        live workers only, so they stay as few as the pairs of workers)."""
         self._samples.pop(worker, None)
+        for probed in (self._probed_bandwidth, self._probed_latency):
+            for k in [k for k in probed if worker in k[1:]]:
+                del probed[k]
 
     # -- what the planner reads ---------------------------------------------------------------
     def prefill_profiles(self) -> dict[str, dict]:

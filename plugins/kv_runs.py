@@ -101,7 +101,9 @@ class RunLedger:
         return [(n, runs) for _, n, runs in self.pinned_blocks(worker, held)]
 
     def pinned_blocks(self, worker: str, held: Mapping) -> list[tuple[str, int, frozenset | None]]:
-        """``pins_on`` with each block's key: (key, bytes, runs)."""
+        """``pins_on`` with each key: (key, bytes, runs) - the cataloged blocks, then the other
+        KV in memory there that something keeps (a rebuilt prefix's private blocks, a
+        prefill's output not yet cut into blocks: what it adds to memory)."""
         ws = self._scheduler.workers.get(worker)
         if ws is None:
             return []
@@ -113,14 +115,25 @@ class RunLedger:
             if not b.pinned or ts is None:
                 continue
             live = [states[sid] for sid in self._catalog.live_holders.get(b.key, ()) if sid in states]
-            runs = {(st.namespace, st.flow) for st in live}
-            for cs in ts.who_wants or ():  # a client holding it outside its states: a lookup's futures
-                if cs.client_key != CACHE_CLIENT and not any(st.client == cs.client_key for st in live):
-                    runs |= self._usage.acquired_for(b.key, cs.client_key) or {(None, None)}
-            for w in ts.waiters or ():
-                runs |= _waiting_for(w, held)
-            if self._usage.leased(b.key, now):  # a lookup's lease: the runs it was taken for (ended on preemption)
-                runs |= self._usage.lease_runs(b.key) or {(None, None)}
-            known = runs and all(flow is not None for _, flow in runs)
-            out.append((b.key, b.nbytes, frozenset(runs) if known else None))
+            out.append((b.key, b.nbytes, self._keeping(ts, live, held, now)))
+        for ts in ws.has_what:
+            if ts.key in self._catalog.blocks or not self._usage.is_kv(ts.key) or not self._usage.pinned(ts, now):
+                continue
+            nbytes = self._usage.held_bytes(ts, ws)
+            if nbytes:
+                out.append((ts.key, nbytes, self._keeping(ts, [], held, now)))
         return out
+
+    def _keeping(self, ts, live: list, held: Mapping, now: float) -> frozenset | None:
+        """The workflow runs keeping ``ts`` in memory (``live``: the states holding it); None
+        when something no run accounts for keeps it too."""
+        runs = {(st.namespace, st.flow) for st in live}
+        for cs in ts.who_wants or ():  # a client holding it outside its states: a lookup's futures
+            if cs.client_key != CACHE_CLIENT and not any(st.client == cs.client_key for st in live):
+                runs |= self._usage.acquired_for(ts.key, cs.client_key) or {(None, None)}
+        for w in ts.waiters or ():
+            runs |= _waiting_for(w, held)
+        if self._usage.leased(ts.key, now):  # a lookup's lease: the runs it was taken for (ended on preemption)
+            runs |= self._usage.lease_runs(ts.key) or {(None, None)}
+        known = runs and all(flow is not None for _, flow in runs)
+        return frozenset(runs) if known else None

@@ -25,14 +25,18 @@ object with its own state (built at ``start``, given the parts it calls):
 * ``profiles`` (``kv_profiles``): prefill timings reported by workers, fitted per worker for
   the cost model, and bandwidth per worker pair from Dask or a calibration probe;
 * ``event_log`` (``kv_events``): lifecycle events (materialize, fork, resume, extend, merge,
-  transfer, recompute, evict, lost, release) and cost-model decisions, also published to
-  Dask's event log under ``EVENT_TOPIC`` (``client.get_events("daskflow-kv")``) with keys
-  cut short;
+  transfer, recompute, evict, lost, release) and cost-model decisions, shown per namespace;
+  an open scheduler also publishes them to Dask's event log under ``EVENT_TOPIC`` with keys
+  cut short (with tenants, nothing of them goes there: any client reads it);
 * ``views`` (``kv_views``) and ``client_api`` (``kv_client_api``): what clients (per tenant,
   ``tenants``) and the dashboard read, and the ``kv_*`` RPCs;
 * ``ownership`` (``kv_ownership``): every new task under a KV key passes here before Dask
   schedules it - only its own namespace's session may compute a key, its annotation is
-  checked (``kv_notes``), and what fails is refused before anything of it runs;
+  checked (``kv_notes``), and what fails is refused before anything of it runs; a graph
+  holding a value no worker message carries is refused too (``kv_wire``), and whatever
+  goes wrong while a graph is checked refuses its KV tasks (``update_graph`` fails closed);
+* ``declared`` (``kv_declared``): with tenants, a KV task's result holds no more than the
+  bytes it was admitted on, checked before the scheduler takes it;
 * ``reports`` (``kv_reports``): workers' reports, accepted only from the worker itself;
 * ``engines`` (``kv_engines``): each worker's continuous-batching loop (batch, step time, queue);
 * ``gate`` (``kv_gate``): the workflow gate - at most so many running workflow runs per
@@ -67,17 +71,19 @@ from daskflow_kv.keys import (BIND_OP, CACHE_CLIENT, PLUGIN_NAME, PREFILL_TOPIC,
 from daskflow_kv.policy.cost_model import PrefillSample
 from daskflow_kv.state.catalog import KVCatalog
 
+from . import kv_wire
 from .dashboard import KVDashboardPlugin
 from .handoff import HandoffPlugin
 from .kv_budget import BudgetEnforcer
 from .kv_client_api import ClientHandlers
+from .kv_declared import DeclaredKV
 from .kv_events import EventLog
 from .kv_gate import WorkflowGate
 from .kv_leases import LeaseBook
 from .kv_lifecycle import BlockLifecycle
 from .kv_locality import Locality
 from .kv_notes import BlockNote, ComputeNote
-from .kv_ownership import KeyOwnership
+from .kv_ownership import KeyOwnership, cut_from_output
 from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
 from .kv_engines import EngineGauges
@@ -88,7 +94,7 @@ from .kv_tiers import TierTracker
 from .kv_timeline import KVTimeline
 from .kv_usage import KVUsage
 from .kv_views import KVViews
-from .tenants import TenantRegistry
+from .tenants import AccessDenied, TenantRegistry
 from .worker import KVWorkerPlugin, TorchSerializationPlugin
 
 if TYPE_CHECKING:
@@ -129,6 +135,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     tenants: TenantRegistry  # namespaces, secrets, quotas, sessions (from the scheduler's own dask.config)
     catalog: KVCatalog  # blocks and states, the prefix index, the counters
     ownership: KeyOwnership  # which namespace may compute each KV key; refuses the rest
+    declared: DeclaredKV  # what each KV task declared, held to it when it finishes (tenants)
     event_log: EventLog  # lifecycle events and cost-model decisions
     tiers: TierTracker  # spilled and persisted blocks, from the workers' reports
     leases: LeaseBook  # acquisition of looked-up blocks, and their leases
@@ -179,7 +186,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.tenants = TenantRegistry(config.get("tenants"), settings.session_ttl)
         self.catalog = KVCatalog()
         self.ownership = KeyOwnership(s, self.tenants, self.catalog)
-        self.event_log = EventLog(s)
+        self.event_log = EventLog(s, public=self.tenants.open)  # with tenants: nothing in Dask's event log
         self.tiers = TierTracker(self.catalog, self.event_log)
         self.reports = WorkerReports(s, self._accept_report)
         self.engines = EngineGauges()
@@ -188,8 +195,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.gate = WorkflowGate(s, settings, self.tenants)
         self.leases = LeaseBook(s, self.catalog, settings)
         self.usage = KVUsage(s, self.catalog, self.tiers, self.leases, self.ownership)
-        self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log, self.tenants.quotas(),
-                                     self.tiers)
+        self.declared = DeclaredKV(s)
+        self.budget = BudgetEnforcer(s, settings, self.catalog, self.usage, self.event_log,
+                                     self.tenants.quotas(lambda: settings.kv_budget_bytes), self.tiers)
         self.budget.on_preempt = self.gate.send_back  # a run preempted for a deadlock waits at the gate again
         self.queue = QueueTracker(s)
         self.profiles = ProfileBook(s, settings.prefill_samples)
@@ -209,6 +217,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
         # On the sender's own stream (before any worker plugin or client could send them):
         di.add_stream_handlers(scheduler, {REPORT_OP: self.reports.report, BIND_OP: self.handle_bind})
         di.guard_data_handlers(scheduler, self.ownership.refused_data)  # KV keys only from their tasks
+        if not self.tenants.open:
+            di.guard_task_finished(scheduler, self.declared.refused)  # no more KV than admitted
+            di.divert_worker_events(scheduler, PREFILL_TOPIC, self.prefill_event)  # never in Dask's event log
         di.replace_amm_policy(scheduler, ReduceReplicas, KVAwareReduceReplicas())
         # What a KV cluster needs besides this plugin, installed from here whatever started the
         # cluster: the workers' serializers, reports and hand-off channel, and the KV page.
@@ -255,19 +266,44 @@ class KVSchedulerPlugin(SchedulerPlugin):
 
     # -- Dask's hooks, routed to the parts ------------------------------------------------------
     def update_graph(self, scheduler, *, client, keys, tasks, annotations, priority, stimulus_id, **kwargs) -> None:
+        """Check a graph before Dask schedules any of it, failing closed: whatever goes wrong
+        here refuses the graph's new KV tasks, with one log line (Dask would log a hook's
+        exception and schedule the graph anyway)."""
         notes = annotations.get("kv", {})
+        unchecked = self.ownership.unchecked(tasks)
+        try:
+            unsendable = kv_wire.unsendable(tasks, annotations, priority)
+            if unsendable:  # the worker-stream DoS: refused whoever sends it
+                why = next(iter(unsendable.values()))
+                self.ownership.refuse(list(unsendable), AccessDenied(
+                    f"refused: this graph holds a key, priority or annotation Dask cannot send to a worker ({why}); "
+                    "integers must fit in 64 bits"), stimulus_id)
+                logger.warning("daskflow-kv: refused %d task(s) whose worker message cannot be sent (%s)",
+                               len(unsendable), why)
+            self._add_graph(scheduler, tasks, notes, stimulus_id)
+        except Exception as e:  # noqa: BLE001 -- fail closed
+            logger.warning("daskflow-kv: a graph could not be checked (%s); its %d new KV task(s) are refused",
+                           type(e).__name__, len(unchecked))
+            logger.debug("daskflow-kv: the graph check failed", exc_info=True)
+            self.ownership.refuse(unchecked, AccessDenied(
+                f"refused: daskflow-kv could not check this graph ({type(e).__name__})"), stimulus_id)
+        finally:
+            # Read here, needed nowhere else: workers never get them (nor Dask's task pages).
+            di.strip_annotation(scheduler, [scheduler.tasks[k] for k in notes if k in scheduler.tasks], "kv")
+
+    def _add_graph(self, scheduler, tasks, notes: dict, stimulus_id: str) -> None:
         # Whose each new KV task is comes from the client stream the graph came on (never from
         # the graph); what may not run is refused here, before Dask schedules anything.
         admitted = self.ownership.admit_graph(tasks, notes, stimulus_id)
-        # Read here, needed nowhere else: workers never get them (nor Dask's task pages).
-        di.strip_annotation(scheduler, [scheduler.tasks[k] for k in notes if k in scheduler.tasks], "kv")
         published = []
         for key, a in admitted.items():
             namespace = None if a.session is None else a.session.namespace
             if isinstance(a.note, BlockNote) and a.session is not None:
                 self.catalog.add_block(a.note.meta(), namespace)
                 published.append(key)
+                self._admit_copy(scheduler.tasks[key], a.note, namespace)
             elif isinstance(a.note, ComputeNote):
+                self.declared.declare(key, a.note.kv_out)
                 self.locality.place(scheduler.tasks[key], a.note, namespace)
         if published:  # the cache keeps them past the workflow that made them
             di.want(scheduler, published, CACHE_CLIENT)
@@ -276,17 +312,47 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.locality.loosen_dead_restrictions(scheduler.tasks[k] for k in tasks
                                                if is_placed(k) and k in scheduler.tasks)
 
+    def _admit_copy(self, ts, note: BlockNote, namespace: str | None) -> None:
+        """A block that is not cut from a KV output (a cached block shortened: a copy) adds its
+        own K/V: with tenants, admission sees it on its declared bytes, held to them when it
+        finishes (``kv_declared``), on the worker its task is restricted to."""
+        if cut_from_output(ts):
+            return
+        self.declared.declare(ts.key, note.nbytes)
+        if self.tenants.open:
+            return
+        target = next(iter(ts.worker_restrictions or ()), None)
+        self.budget.hold(ts, target, note.nbytes, namespace)
+
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         self.budget.transition(key, start, finish)
         self.queue.transition(key, start, finish)
         self.lifecycle.transition(key, start, finish)
+        if start == "memory":
+            self.declared.left_memory(key)
         if finish == "forgotten":
             self.ownership.forget(key)
+            self.declared.forget(key)
 
     def log_event(self, topic, msg) -> None:
-        """Prefill timings a worker logged on its own stream (any client may log to the topic)."""
-        if topic != PREFILL_TOPIC or not isinstance(msg, dict) or not self.reports.is_worker_stream(msg.get("worker")):
+        """An open scheduler: prefill timings workers log to Dask's event log (with tenants they
+        never reach it: ``prefill_event``)."""
+        if topic == PREFILL_TOPIC and self.tenants.open and isinstance(msg, dict):
+            self.prefill_event(msg.get("worker"), msg)
+
+    def prefill_event(self, worker=None, msg=None) -> None:
+        """A prefill's timing, counted only when it came on that worker's own stream (any client
+        may log to the topic). With tenants, workers' timings come here instead of Dask's event
+        log, which any client reads (``dask_internals.divert_worker_events``)."""
+        try:
+            self._prefill_event(worker, msg)
+        except Exception:  # noqa: BLE001 -- a raise would end the worker's stream
+            logger.exception("daskflow-kv: a prefill timing could not be read")
+
+    def _prefill_event(self, worker, msg) -> None:
+        if not isinstance(msg, dict) or not self.reports.is_worker_stream(worker):
             return
+        msg = {**msg, "worker": worker}
         sample = _prefill_sample(msg)
         if sample is None:
             return
@@ -326,10 +392,11 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.budget.note_change()
         self.budget.note_progress()
 
-    def handle_bind(self, nonce=None, client=None, **ignored) -> None:
-        """``BIND_OP`` on a client's stream: the login challenge it answers (``tenants``). Never raises."""
+    def handle_bind(self, nonce=None, **ignored) -> None:
+        """``BIND_OP`` on a client's stream: the login challenge it answers (``tenants``), for the
+        client that stream serves (``client=`` is whatever the message says: ignored). Never raises."""
         try:
-            self.tenants.bind(nonce, client, di.current_connection())
+            self.tenants.bind(nonce, di.stream_client(self.scheduler), di.current_connection())
         except Exception:  # noqa: BLE001 -- a raise would end the sender's stream
             logger.exception("daskflow-kv: bind failed")
 

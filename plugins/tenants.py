@@ -8,19 +8,27 @@ A tenant is a namespace plus a secret. The scheduler's dask.config lists them::
         ops:   {secret: "...", role: admin}
 
 (from a YAML file or ``DASK_DASKFLOW_KV__TENANTS__ALICE__SECRET=...``; never in code).
-``quota``: KV bytes per worker guaranteed to the tenant's blocks (see ``kv_budget``).
+``quota``: KV bytes per worker guaranteed to the tenant's blocks (see ``kv_budget``); a
+tenant without one is guaranteed a fair share (``Quotas``), ``quota: 0`` for none. A
+secret must be random and long (``MIN_SECRET_CHARS``, e.g. ``secrets.token_urlsafe(24)``):
+block keys on Dask's pages, a login seen on a wire without TLS and the store's names all
+let a guess be checked offline, at the speed of one HMAC.
 
 Logging in binds a session to the Dask client the scheduler itself sees: the client asks
 for a challenge (``kv_challenge``), sends it back over its own batched stream (``BIND_OP``,
-a stream handler: Dask runs it on the task that serves that client's connection, which a
-message cannot forge - see ``dask_internals.current_connection``), then answers it with an
-HMAC of its secret (``kv_login``; the secret never crosses the wire). The session holds
-that connection: the tasks the client submits over it are the session's (the plugin finds
-a task's session by the connection its graph came on, never by a token in the graph), and
-the session ends when the connection does. A session expires after ``session-ttl``
-without use; a client holds at most ``MAX_SESSIONS_PER_CLIENT``; challenges are few
-(``MAX_PENDING_NONCES``) and short-lived (``NONCE_TTL``). Two users share cached blocks
-only by sharing a namespace, which means holding its secret (like vLLM's ``cache_salt``).
+a stream handler: Dask runs it on the task that serves that client's connection, and below
+the ``add_client`` call that registered it - the client id is read from there,
+``dask_internals.stream_client``, never from the message, which can name any client),
+then answers it with an HMAC of its secret (``kv_login``; the secret never crosses the
+wire). The session holds that connection: the tasks the client submits over it are the
+session's (the plugin finds a task's session by the connection its graph came on, never by
+a token in the graph), and the session ends when the connection does. A session expires
+after ``session-ttl`` without use; a client holds at most ``MAX_SESSIONS_PER_CLIENT`` (only
+its own logins count: no login binds another client); challenges are few
+(``MAX_PENDING_NONCES``) and short-lived (``NONCE_TTL``). An admin's call that changes what
+every tenant keeps needs more than the session's token: a fresh challenge sent back on the
+admin's own stream (``admin``). Two users share cached blocks only by sharing a namespace,
+which means holding its secret (like vLLM's ``cache_salt``).
 
 With no tenants configured the scheduler is one trust domain ("open"): any client may
 name any namespace and gets the admin role, as before tenancy existed.
@@ -31,21 +39,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from daskflow_kv import dask_internals as di
 from daskflow_kv import validation
 from daskflow_kv.keys import namespace_tag, tag_of
 
+logger = logging.getLogger("daskflow_kv.scheduler")
+
 ROLES = ("user", "admin")
 NONCE_TTL = 60.0  # s a challenge stays answerable
 MAX_PENDING_NONCES = 1024  # challenges not answered yet; the oldest goes first
 MAX_SESSIONS_PER_CLIENT = 16  # live sessions one Dask client may hold; its oldest ends first
 BIND_WAIT = 10.0  # s a login waits for its challenge to arrive on the client's stream
+MIN_SECRET_CHARS = 24  # below this a secret is logged as weak at start (24 URL-safe characters: 144 bits)
 
 
 def login_proof(secret: str, nonce: str, namespace: str) -> str:
@@ -62,7 +74,7 @@ class AccessDenied(PermissionError):
 class Tenant:
     secret: str  # proves the namespace (HMAC of a challenge); seeds its block keys client-side
     role: str  # user | admin
-    quota: int  # KV bytes per worker no other tenant's task may evict it below (0: none)
+    quota: int | None  # KV bytes per worker no other tenant's task may evict it below (0: none; None: a fair share)
 
 
 @dataclass(slots=True, eq=False)
@@ -103,8 +115,46 @@ def _tenant(name, spec) -> Tenant:
     if role not in ROLES:
         raise ValueError(f"daskflow-kv.tenants.{name}: role must be one of {ROLES}, not {role!r}")
     quota = spec.get("quota")
-    quota = 0 if quota is None else validation.byte_size(f"daskflow-kv.tenants.{name}.quota", quota, minimum=0)
+    quota = None if quota is None else validation.byte_size(f"daskflow-kv.tenants.{name}.quota", quota, minimum=0)
+    if len(secret) < MIN_SECRET_CHARS:
+        logger.warning("daskflow-kv.tenants.%s: a secret of %d characters can be guessed offline; use a random one "
+                       "of %d or more (secrets.token_urlsafe(24))", name, len(secret), MIN_SECRET_CHARS)
     return Tenant(secret, role, quota)
+
+
+class Quotas(Mapping):
+    """Namespace -> KV bytes per worker guaranteed to it, as the budget reads them now: each
+    tenant's configured quota, and for a tenant without one a fair share - what the budget
+    leaves beside the configured quotas, split evenly among those without one. Without that
+    default, one tenant pinning blocks under a small budget makes another's next prefill
+    wait for room it never gets (and be preempted); ``quota: 0`` opts a tenant out."""
+
+    __slots__ = ("_tenants", "_budget", "_at", "_now")
+
+    def __init__(self, tenants: Mapping[str, Tenant], budget: Callable[[], int | None]):
+        self._tenants = tenants  # name -> Tenant (configured at start)
+        self._budget = budget  # the KV budget now (the admin may change it)
+        self._at: int | None = -1  # the budget ``_now`` was computed for
+        self._now: dict[str, int] = {}
+
+    def _current(self) -> dict[str, int]:
+        budget = self._budget()
+        if budget != self._at:
+            given = {n: t.quota for n, t in self._tenants.items() if t.quota}
+            unset = [n for n, t in self._tenants.items() if t.quota is None]
+            share = max(0, (budget or 0) - sum(given.values())) // max(1, len(unset))
+            self._now = {**given, **(dict.fromkeys(unset, share) if share else {})}
+            self._at = budget
+        return self._now
+
+    def __getitem__(self, namespace: str) -> int:
+        return self._current()[namespace]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
 
 
 class TenantRegistry:
@@ -131,9 +181,10 @@ class TenantRegistry:
     def namespace_of_key(self, key) -> str | None:
         return self.namespace_of_tag(tag_of(key))
 
-    def quotas(self) -> dict[str, int]:
-        """Namespace -> KV bytes per worker guaranteed to it (tenants with a quota)."""
-        return {n: t.quota for n, t in self._tenants.items() if t.quota}
+    def quotas(self, budget: Callable[[], int | None] = lambda: None) -> Quotas:
+        """Namespace -> KV bytes per worker guaranteed to it, under the budget ``budget()`` says
+        (a fair share for a tenant without a quota; see ``Quotas``)."""
+        return Quotas(self._tenants, budget)
 
     # -- logging in -------------------------------------------------------------------------------
     def challenge(self) -> str:
@@ -146,7 +197,9 @@ class TenantRegistry:
         return nonce
 
     def bind(self, nonce, client, connection) -> bool:
-        """The challenge ``nonce`` came back on ``connection`` (a client's stream). Only once."""
+        """The challenge ``nonce`` came back on ``connection``, the stream of ``client`` (both as
+        the scheduler serves it: ``dask_internals.stream_client``, never a name the message
+        gave). Only once."""
         c = self._challenges.get(nonce) if isinstance(nonce, str) else None
         if c is None or c.bound.is_set() or c.expires <= time.monotonic() or not isinstance(client, str):
             return False
@@ -182,21 +235,44 @@ class TenantRegistry:
         return self._add(Session(secrets.token_hex(16), namespace, role, client or "", None,
                                  time.monotonic() + self._session_ttl))
 
-    async def login_client(self, namespace: str, nonce: str | None = None, proof: str | None = None) -> Session:
-        """``kv_login``: a session for ``namespace`` if ``proof`` answers ``nonce`` with its secret
-        and the nonce came back on a client's stream (``bind``), the client it is bound to."""
+    async def _bound(self, nonce) -> None:
+        """Until the challenge ``nonce`` came back on a stream (its RPC can overtake it), at most
+        ``BIND_WAIT`` s."""
         c = self._challenges.get(nonce) if isinstance(nonce, str) else None
         if c is not None and not c.bound.is_set():
             try:
                 await asyncio.wait_for(c.bound.wait(), max(0.0, min(BIND_WAIT, c.expires - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
+
+    async def login_client(self, namespace: str, nonce: str | None = None, proof: str | None = None) -> Session:
+        """``kv_login``: a session for ``namespace`` if ``proof`` answers ``nonce`` with its secret
+        and the nonce came back on a client's stream (``bind``), the client it is bound to."""
+        await self._bound(nonce)
         role, c = self._verify(namespace, nonce, proof)
         if not c.bound.is_set() or not di.connection_open(c.connection):
             raise AccessDenied("login refused: the challenge never came back on this client's own stream "
                                "(log in with daskflow_kv.runtime.session.login)")
         return self._add(Session(secrets.token_hex(16), namespace, role, c.client, c.connection,
                                  time.monotonic() + self._session_ttl))
+
+    async def admin(self, token: str | None, confirm: str | None, what: str) -> Session:
+        """The admin session ``token`` names, for a call that changes what every tenant keeps:
+        with tenants configured, ``confirm`` must be a fresh challenge that came back on that
+        session's own stream (the token alone is a bearer credential any client could replay).
+        An open scheduler is one trust domain: every session is an admin."""
+        s = self.session(token)
+        if not s.is_admin:
+            raise AccessDenied(f"{what} changes what every tenant keeps: it needs the admin role "
+                               f"(namespace {s.namespace!r} has the user role)")
+        if self.open:
+            return s
+        await self._bound(confirm)
+        c = self._challenges.pop(confirm, None) if isinstance(confirm, str) else None
+        if c is None or not c.bound.is_set() or c.expires <= time.monotonic() or c.connection is not s.connection:
+            raise AccessDenied(f"{what} refused: an admin call is confirmed by a fresh challenge sent back on the "
+                               "admin client's own stream, and this one was not (a session token alone is not enough)")
+        return s
 
     def _add(self, session: Session) -> Session:
         """Keep ``session``; a client's oldest sessions end past ``MAX_SESSIONS_PER_CLIENT``."""

@@ -44,7 +44,7 @@ from tornado.ioloop import PeriodicCallback
 
 from daskflow_kv import config
 from daskflow_kv import dask_internals as di
-from daskflow_kv.keys import REPORT_HELLO_RPC, REPORT_OP, REPORT_TOKEN_RPC, SPILL_OP, is_block, is_kv, short_key
+from daskflow_kv.keys import REPORT_HELLO_RPC, REPORT_OP, REPORT_TOKEN_RPC, SPILL_OP, holds_kv, is_kv, short_key
 
 from .kv_engines import merge
 from .tenants import AccessDenied
@@ -126,8 +126,9 @@ class KVWorkerPlugin(WorkerPlugin):
     def spill(self, keys=(), **_) -> None:
         """``SPILL_OP`` (from the scheduler's KV budget, on its own stream to this worker): move
         these blocks to the spill disk now, before the task sent after this message starts,
-        and say so at once. Only KV blocks; what is not here or not a block is ignored."""
-        blocks = [k for k in keys if isinstance(k, str) and is_block(k)] if isinstance(keys, (list, tuple)) else []
+        and say so at once. Only KV (blocks, a rebuilt prefix's private blocks, outputs); what is
+        not here or not KV is ignored."""
+        blocks = [k for k in keys if isinstance(k, str) and holds_kv(k)] if isinstance(keys, (list, tuple)) else []
         moved = di.spill_keys(self.worker, blocks)
         if len(moved) < len(blocks):  # the scheduler counted them gone: the report below corrects it
             missing = [k for k in blocks if k not in moved]
@@ -138,7 +139,7 @@ class KVWorkerPlugin(WorkerPlugin):
         self.worker.loop.add_callback(self.report)
 
     def spilled(self) -> list[str]:
-        return sorted(str(k) for k in di.spilled_keys(self.worker) if is_block(k))
+        return sorted(str(k) for k in di.spilled_keys(self.worker) if holds_kv(k))
 
     async def report(self) -> None:
         if di.is_paused(self.worker) and time.monotonic() - self._trimmed >= TRIM_EVERY_S:

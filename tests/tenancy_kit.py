@@ -41,17 +41,35 @@ def tenant_cluster(tenants=TENANTS, n_workers: int = 2, **settings):
         yield cluster
 
 
+def cluster_fixture(tenants=TENANTS, name: str = "cluster", **settings):
+    """A module-scoped fixture named ``name``: a ``tenant_cluster`` (in a test module:
+    ``cluster = cluster_fixture()``)."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture():
+        with tenant_cluster(tenants, **settings) as c:
+            yield c
+
+    return fixture
+
+
+def compute_note(**fields) -> dict:
+    """A compute task's ``kv`` annotation as a client could write it (bob's, in the attacks)."""
+    return {"role": "compute", "op": "prefill", "state_id": "kvstate-prefill-b0b0b0b0b0b0", "target": None,
+            "reads": [], "decision": None, "first": False, "kv_out": 0, **fields}
+
+
 def runtime(cluster, namespace: str, tenants=TENANTS, **kw) -> KVRuntime:
     """A tenant's runtime on its own client (close with ``rt.client.close()``)."""
     return KVRuntime(Client(cluster), "tiny-llama", block_size=BLOCK, namespace=namespace,
                      secret=tenants[namespace]["secret"], **kw)
 
 
-def tenant(namespace: str, tenants=TENANTS, cluster: str = "cluster"):
-    """A module-scoped fixture named ``namespace``: its runtime on the module's ``cluster`` fixture
-    (in a test module: ``alice = tenant("alice")``)."""
+def tenant(namespace: str, tenants=TENANTS, cluster: str = "cluster", name: str | None = None):
+    """A module-scoped fixture named ``name`` (default ``namespace``): its runtime on the
+    module's ``cluster`` fixture (in a test module: ``alice = tenant("alice")``)."""
 
-    @pytest.fixture(scope="module", name=namespace)
+    @pytest.fixture(scope="module", name=name or namespace)
     def fixture(request):
         rt = runtime(request.getfixturevalue(cluster), namespace, tenants)
         yield rt

@@ -95,6 +95,66 @@ async def test_current_connection_is_the_senders_stream_whatever_the_message_say
     assert di.connection_open(conn_c) and di.connection_open(conn_a)
 
 
+@gen_cluster(client=True)
+async def test_stream_client_is_the_client_that_stream_registered_as(c, s, a, b):
+    seen = []  # (client= as Dask hands it, stream_client()) per message
+    di.add_stream_handlers(s, {"internals-whois": lambda client=None, worker=None: seen.append(
+        (client, di.stream_client(s)))})
+    async with Client(s.address, asynchronous=True) as other:
+        di.send_on_stream(other, {"op": "internals-whois", "client": c.id})  # a message naming another client
+        di.send_on_stream(c, {"op": "internals-whois"})
+        di.send_to_scheduler_stream(a, {"op": "internals-whois", "client": c.id})  # a worker's stream
+        await until(lambda: len(seen) == 3)
+    assert sorted(seen, key=str) == sorted([(c.id, other.id), (c.id, c.id), (c.id, None)], key=str)
+    assert di.stream_client(s) is None  # outside any stream
+
+
+def test_wire_error_says_what_a_worker_message_cannot_carry():
+    class Opaque:  # Dask pickles what msgpack does not know: it travels
+        pass
+
+    for fine in (2 ** 64 - 1, -(2 ** 63), {1, 2}, Opaque(), {("k", 1): [1.5, "x", None, b"y"]}, float("nan")):
+        assert di.wire_error(fine) is None
+    for bad in (2 ** 64, -(2 ** 63) - 1, 10 ** 400, {"deep": [{"x": 10 ** 30}]}):
+        assert di.wire_error(bad).startswith("OverflowError")
+
+
+@gen_cluster(client=True)
+async def test_diverted_worker_events_never_reach_dasks_event_log(c, s, a, b):
+    got = []
+    di.divert_worker_events(s, "internals-diverted", lambda worker=None, msg=None: got.append((worker, msg)))
+    heard = []
+    c.subscribe_topic("internals-diverted", heard.append)
+    a.log_event("internals-diverted", {"n": 1})
+    a.log_event("internals-kept", {"n": 2})  # other topics as usual
+    await until(lambda: got and s.get_events("internals-kept"))
+    assert got == [(a.address, {"n": 1})]
+    assert not s.get_events("internals-diverted") and not heard
+
+
+def _bytes(n):
+    return b"x" * n
+
+
+@gen_cluster(client=True)
+async def test_a_refused_finished_task_errs_and_its_worker_frees_it(c, s, a, b):
+    seen = []
+
+    def refused(key, worker, nbytes):
+        seen.append((key, worker, nbytes))
+        return PermissionError("too big") if key == "internals-big" else None
+
+    di.guard_task_finished(s, refused)
+    big = c.submit(_bytes, 10_000, key="internals-big", workers=[a.address], pure=False)
+    with pytest.raises(PermissionError, match="too big"):
+        await big
+    assert await c.submit(_bytes, 10, key="internals-small", pure=False) == b"x" * 10
+    assert {k for k, _, _ in seen} == {"internals-big", "internals-small"}
+    assert [n for k, w, n in seen if k == "internals-big"][0] >= 10_000 and (a.address in {w for _, w, _ in seen})
+    await until(lambda: "internals-big" not in a.data)  # freed there: nothing holds the refused result
+    assert s.tasks["internals-big"].state == "erred"
+
+
 class _Stripper(SchedulerPlugin):
     name = "internals-stripper"
 

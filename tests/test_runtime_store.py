@@ -95,7 +95,7 @@ def test_a_new_cluster_reads_the_shared_context_from_the_store(tmp_path):
         rows = rt.catalog().to_pylist()
         assert {r["tier"] for r in rows} == {"memory"} and any(r["persisted"] for r in rows)
         close_runtime(rt, cluster)
-    stored = {b.key for b in mt.scan(open_store(store))}
+    stored = {b.name for b in mt.scan(open_store(store))}  # open tenant: named by key
     assert len(stored) >= -(-prefix // 16)
 
     with _cluster() as cluster, Client(cluster) as client:  # a new cluster: nothing in memory

@@ -198,8 +198,8 @@ def _aged_store(tmp_path):
 def test_stale_is_a_pure_age_policy_and_gc_applies_it(tmp_path):
     store, now = _aged_store(tmp_path)
     blocks = mt.scan(store)
-    assert sorted(b.key for b in blocks) == sorted(_key(i) for i in range(4))  # the temp file is no block
-    assert [b.key for b in mt.stale(blocks, 7 * 86400, now)] == [_key(2)]
+    assert sorted(b.name for b in blocks) == sorted(_key(i) for i in range(4))  # not the temp file; open: by key
+    assert [b.name for b in mt.stale(blocks, 7 * 86400, now)] == [_key(2)]
     u = mt.usage(blocks, now)
     assert u["blocks"] == 4 and u["by_last_use"]["< 1d"]["blocks"] == 2 and u["by_last_use"]["7-30d"]["blocks"] == 1
     dry = mt.gc(store, 7 * 86400, now, dry_run=True)

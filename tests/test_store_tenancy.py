@@ -24,6 +24,7 @@ import torch
 from conftest import CONTEXT, make_engine
 
 from daskflow_kv.cli import main as cli_main
+from daskflow_kv.keys import namespace_tag
 from daskflow_kv.state.blocks import chain_keys, keyed_digest
 from daskflow_kv.store import maintenance as mt
 from daskflow_kv.store import worker_io
@@ -101,7 +102,8 @@ def test_a_tenant_is_derived_from_its_secret_and_never_shows_its_key():
 # -- B cannot list, size or read A's objects ---------------------------------------------------------
 def test_b_lists_and_sizes_only_its_own_objects(shared, kv):
     _, a, b, a_keys, b_keys = shared
-    assert {x.key for x in mt.scan(b)} == set(b_keys) and {x.key for x in mt.scan(a)} == set(a_keys)
+    assert {x.name for x in mt.scan(b)} == {B.object_name(k) for k in b_keys}
+    assert {x.name for x in mt.scan(a)} == {A.object_name(k) for k in a_keys}
     assert not set(a_keys) & set(b_keys)
     rows = mt.listing(b)
     assert {r["key"] for r in rows} == set(b_keys) and all(r["valid_header"] for r in rows)
@@ -259,7 +261,8 @@ def test_a_v1_object_is_never_read_and_an_admin_gc_removes_it(shared):
     a.get(a_keys[0])  # A reads one block now: in use, kept
     rep = mt.gc_all(a.backend, 86400)
     assert (rep.deleted, rep.kept) == (len(a_keys) + len(b_keys), 1)
-    assert not os.path.exists(os.path.join(root, legacy)) and [x.key for x in mt.scan_all(a.backend)] == [a_keys[0]]
+    assert not os.path.exists(os.path.join(root, legacy))
+    assert [x.name for x in mt.scan_all(a.backend)] == [A.object_name(a_keys[0])]
 
 
 # -- the CLI ----------------------------------------------------------------------------------------
@@ -290,10 +293,12 @@ def test_cli_shows_each_tenant_its_own_and_an_admin_everything(shared, capsys):
     with _as(OPS, OPS_SECRET):
         rc, out, _ = _cli(capsys, "ls", "--kv-store", root, "--all", "--json")
         rows = json.loads(out)
-        assert rc == 0 and {r["key"] for r in rows} == set(a_keys) | set(b_keys)  # a_keys[0] twice: v1 too
+        names = {A.object_name(k) for k in a_keys} | {B.object_name(k) for k in b_keys}
+        assert rc == 0 and {r["name"] for r in rows} == names | {a_keys[0]}  # v1: named by its key
+        assert not any(k in out for k in a_keys[1:] + b_keys)  # no key of a v2 object: keyed names only
         assert len(rows) == len(a_keys) + len(b_keys) + 1 and legacy in {r["path"] for r in rows}
         assert {r["namespace"] for r in rows} == {ALICE, BOB, None}  # the operator's config names the dirs
-        assert all(set(r) == {"tenant", "namespace", "key", "path", "object_bytes", "written", "used"} for r in rows)
+        assert all(set(r) == {"tenant", "namespace", "name", "path", "object_bytes", "written", "used"} for r in rows)
         rc, out, _ = _cli(capsys, "ls", "--kv-store", root, "--all")
         assert rc == 0 and ALICE in out and BOB in out and f"{len(rows)} blocks" in out
         rc, out, _ = _cli(capsys, "du", "--kv-store", root, "--all", "--json")
@@ -348,3 +353,45 @@ def test_cli_takes_the_secret_from_the_environment(shared):
                           "--kv-store", root, "--json"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert {r["key"] for r in json.loads(out.stdout)} == set(b_keys)
+
+
+# -- issue 51, item 4: names on disk -----------------------------------------------------------------
+def test_walking_the_store_names_no_key_and_no_tenant(shared):
+    """Object names were full block keys: B learned A's keys (a full key fetches the block from
+    Dask while it is cached) and, from the namespace tag they carry, which directory is A's."""
+    root, a, b, a_keys, b_keys = shared
+    walked = _files(root)
+    assert len([p for p in walked if p.endswith(".kvobj")]) == len(a_keys) + len(b_keys)
+    hexes = [k.rsplit("-", 1)[1] for k in a_keys + b_keys]
+    assert not any(h in p for p in walked for h in hexes)  # no content address in any name
+    assert not any(namespace_tag(ns) in p for p in walked for ns in (ALICE, BOB))  # no tag either
+    assert not any(p.split("/")[-1].startswith("kvblock-") for p in walked)
+    names = {p.split("/")[-1].split(".")[0] for p in walked if p.endswith(".kvobj")}
+    assert names == {A.object_name(k) for k in a_keys} | {B.object_name(k) for k in b_keys}
+    assert A.object_name(a_keys[0]) != StoreTenant.derive(ALICE, "another secret").object_name(a_keys[0])
+
+
+def _by_key(store: KVStore, key: str, tensor, start: int, end: int, fingerprint: str, tenant: StoreTenant) -> str:
+    """An object as the version before keyed names wrote it: named by its full key."""
+    rel = f"v2/{store.tenant.prefix}/blocks/{key[8:10]}/{key}.kvobj"
+    data, _ = encode(tensor, key, start, end, fingerprint, path=rel, tenant=tenant)
+    store.backend.write_atomic(rel, data)
+    return rel
+
+
+def test_objects_named_by_full_key_are_migrated(tmp_path, kv, capsys):
+    root = str(tmp_path / "kv")
+    a = KVStore(LocalDirBackend(root), A)
+    (k0, s0, e0), (k1, s1, e1) = kv[ALICE]["chain"][:2]
+    fp = kv[ALICE]["fingerprint"]
+    old = _by_key(a, k0, kv[ALICE]["blocks"][0], s0, e0, fp, A)
+    forged = _by_key(a, k1, kv[BOB]["blocks"][1], s1, e1, fp, B)  # B's sealing, in A's directory, by key
+    assert a.get(k0) is None  # reads look only under keyed names ...
+    assert [r["named_by_key"] for r in mt.listing(a)] == [True, True]  # ... and ls says what to run
+    with _as(ALICE, ALICE_SECRET):
+        rc, out, _ = _cli(capsys, "migrate", "--kv-store", root, "--json")
+    got = json.loads(out)
+    assert rc == 0 and (got["tenant"], got["renamed"], got["dropped"]) == (a.root, 1, 1)
+    assert torch.equal(a.get(k0), kv[ALICE]["blocks"][0]) and a.get(k1) is None  # B's forgery is gone, not loaded
+    assert not os.path.exists(os.path.join(root, old)) and not os.path.exists(os.path.join(root, forged))
+    assert not any("kvblock-" in p for p in _files(root))

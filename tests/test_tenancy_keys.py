@@ -21,7 +21,7 @@ from distributed import Client
 from daskflow_kv.keys import BLOCK, block_key, namespace_tag, short_key, tag_of
 from daskflow_kv.plugins.tenants import AccessDenied
 from tenancy_kit import BLOCK as BLOCK_TOKENS
-from tenancy_kit import PROMPT, SUFFIX, plugin, scheduler_state, tenant, tenant_cluster, text_tokens
+from tenancy_kit import PROMPT, SUFFIX, TENANTS, plugin, scheduler_state, tenant, tenant_cluster, text_tokens
 
 
 def _squat(path: str, nbytes: int = 64):
@@ -30,15 +30,20 @@ def _squat(path: str, nbytes: int = 64):
     return bytes(nbytes)
 
 
+# No guaranteed share (quota 0): bob must be able to evict alice's cache for the squats below
+# (with the default fair share her blocks stay; tests/test_tenancy_quotas.py).
+UNGUARDED = {name: {**spec, "quota": 0} for name, spec in TENANTS.items()}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    with tenant_cluster(**{"scheduler.admission-patience": "3s"}) as c:
+    with tenant_cluster(UNGUARDED, **{"scheduler.admission-patience": "3s"}) as c:
         yield c
 
 
-alice = tenant("alice")
-bob = tenant("bob")
-ops = tenant("ops")
+alice = tenant("alice", UNGUARDED)
+bob = tenant("bob", UNGUARDED)
+ops = tenant("ops", UNGUARDED)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 from distributed import Client
 
 from daskflow_kv.errors import OpenSchedulerError
-from daskflow_kv.keys import BIND_OP, PREFILL, task_key
+from daskflow_kv.keys import BIND_OP, PREFILL, RESULT, task_key
 from daskflow_kv.plugins import tenants as tn
 from daskflow_kv.plugins.tenants import AccessDenied, TenantRegistry, login_proof
 from daskflow_kv.runtime.kv_runtime import KVRuntime
@@ -186,7 +186,7 @@ def test_a_login_naming_another_client_binds_nothing_of_it(tenants, alice, bob):
         with pytest.raises(AccessDenied, match="no session"):
             fut.result(timeout=30)
         # ... the session is the stream it was bound on, mallory's
-        assert mallory.submit(len, b"x", key=task_key(PREFILL, "bob", "own"), pure=False).result(timeout=30) == 1
+        assert mallory.submit(len, b"x", key=task_key(RESULT, "bob", "own"), pure=False).result(timeout=30) == 1
     deadline = time.time() + 10
     while time.time() < deadline:  # and it ends with that stream
         try:

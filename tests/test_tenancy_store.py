@@ -2,10 +2,12 @@
 
 Alice and bob run on one tenants-configured cluster over one real store directory (every
 client and worker must reach its URL, so bob can walk it). Alice's shared context is
-written through; bob lists the store, reads alice's blocks by key, overwrites one of her
-objects with his own K/V sealed under her key, and garbage-collects with an age of zero:
-each step fails. Alice's next cluster on the same store reads her context back - the
-forged object is a miss, its blocks recomputed - and resumes with text mode's tokens.
+written through; bob lists the store, walks its directories (issue 51: object names used
+to be full keys, telling him her keys and which directory is hers; now keyed hashes),
+reads alice's blocks by key, overwrites one of her objects with his own K/V sealed under her
+key, and garbage-collects with an age of zero: each step fails. Alice's next cluster on the
+same store reads her context back - the forged object is a miss, its blocks recomputed -
+and resumes with text mode's tokens.
 (The store's own attacks, object by object: ``tests/test_store_tenancy.py``.)
 """
 
@@ -15,6 +17,7 @@ import os
 
 from conftest import wait_until
 
+from daskflow_kv.keys import content_key, namespace_tag
 from daskflow_kv.policy.cost_model import PrefillProfile
 from daskflow_kv.store import maintenance as mt
 from daskflow_kv.store import worker_io
@@ -53,23 +56,29 @@ def test_bob_cannot_list_read_overwrite_or_collect_alices_store_objects(tmp_path
 
             # list: bob's view of the store holds only his own objects
             assert {r["key"] for r in mt.listing(bob.store)} == set(mine.state.block_keys)
-            assert not {b.key for b in mt.scan(bob.store)} & set(keys)
+            assert {b.name for b in mt.scan(bob.store)} == {bob.store.tenant.object_name(k)
+                                                            for k in mine.state.block_keys}
             # read: by key, in bob's client and in a load task on a worker, as bob
             assert all(bob.store.get(k) is None for k in keys)
             loaded = bob.client.submit(worker_io.load_blocks, url, keys, bob.tier.tenant, pure=False).result()
             assert loaded.stopped == "miss" and not loaded.blocks
 
-            # overwrite: walking the directory shows alice's objects by key; bob seals his own
-            # K/V under her key, at her path
-            hers = {os.path.basename(p).split(".")[0]: p for p in _files(url)
-                    if p.endswith(".kvobj") and f"/{bob.tier.tenant.prefix}/" not in f"/{p}"}
-            assert set(keys) <= set(hers)
+            # walk (issue 51, item 4): objects are named by keyed hashes - no path holds a key of
+            # alice's, nor either namespace's tag, so nothing says whose directory is whose
+            walked = _files(url)
+            assert not any(content_key(k)[len("kvblock-"):] in p for p in walked for k in keys)
+            assert not any(namespace_tag(ns) in p for p in walked for ns in ("alice", "bob"))
+            others = [p for p in walked if p.endswith(".kvobj") and f"/{bob.tier.tenant.prefix}/" not in f"/{p}"]
+            assert len(others) == len(keys)  # he sees how many objects another directory holds, not what
+            # overwrite: bob seals his own K/V under her key over one of her objects (which one is
+            # her second block he cannot tell: the test picks it, he could only try them all)
             target = keys[1]
             forged_at = state.state.blocks[1].start
+            path = alice.store.block_path(target)
+            assert path in others
             forged, _ = encode(mine.futures[1].result(), target, state.state.blocks[1].start,
-                               state.state.blocks[1].end, bob.fingerprint.digest, path=hers[target],
-                               tenant=bob.tier.tenant)
-            bob.store.backend.write_atomic(hers[target], forged)
+                               state.state.blocks[1].end, bob.fingerprint.digest, path=path, tenant=bob.tier.tenant)
+            bob.store.backend.write_atomic(path, forged)
 
             # collect: bob's gc, every object counted stale, deletes only his
             before = [p for p in _files(url) if f"/{bob.tier.tenant.prefix}/" not in f"/{p}"]

@@ -103,7 +103,7 @@ class KVRuntime:
         self.tier = PersistentTier(client, store, store_write, fp.digest, self.spec.namespace)
         self.calibrator = Calibrator(client, self.plugin, self.spec, self.facts, self.tier)
         self.planner = Planner(self.plugin, self.calibrator)
-        self.submitter = Submitter(client, self.spec, self.facts.bytes_per_token)
+        self.submitter = Submitter(client, self.spec, self.facts.bytes_per_token, self.facts.vocab_size)
         self.prefixes = PrefixCache(client, self.plugin, digest, block_size)
         publisher = Publisher(self.prefixes, self.submitter, self.tier, digest, fp.digest, self.facts.bytes_per_token)
         self.registry = StateRegistry(self.plugin, fp, block_size, device, self)

@@ -22,7 +22,7 @@ from ..errors import ClientClosed, SchedulerLost
 
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
-from .session import KVSession, login
+from .session import KVSession, confirmation, login
 from .workflow_run import current_run
 
 
@@ -144,9 +144,17 @@ class PluginClient:
     def release_states(self, state_ids: Sequence[str], reuse_expected: bool = False) -> None:
         self.call("kv_release_states", state_ids=list(state_ids), reuse_expected=reuse_expected)
 
+    def admin_call(self, name: str, **kwargs):
+        """An admin's call: confirmed by a challenge sent back on this client's own stream first."""
+        try:
+            confirm = confirmation(self.client)
+        except Exception:  # noqa: BLE001 -- a closed client, a lost scheduler: the call says which, as any other
+            confirm = None
+        return self.call(name, confirm=confirm, **kwargs)
+
     def drop(self) -> int:
         """Admin: the cache lets go of every block and this client of every key (before a cluster closes)."""
-        return self.call("kv_drop")
+        return self.admin_call("kv_drop")
 
     # -- what the planner sees ---------------------------------------------------------------------
     def snapshot(self, bandwidth_override: float | None = None,
@@ -163,7 +171,7 @@ class PluginClient:
 
     def configure(self, kv_budget_bytes: int | None = None, memory_weight: float | None = None,
                   unset_budget: bool = False) -> None:
-        self.call("kv_configure", kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight,
+        self.admin_call("kv_configure", kv_budget_bytes=kv_budget_bytes, memory_weight=memory_weight,
                   unset_budget=unset_budget)
 
     def workflow_done(self, agents: int, ttft_s: Sequence[float]) -> None:
@@ -185,7 +193,7 @@ class PluginClient:
 
     def gate_configure(self, per_worker: float | None) -> dict:
         """Admin: running workflow runs per worker at most (None: no limit)."""
-        return self.call("kv_gate_configure", per_worker=per_worker)
+        return self.admin_call("kv_gate_configure", per_worker=per_worker)
 
     # -- introspection -------------------------------------------------------------------------------
     def counters(self) -> dict:

@@ -5,7 +5,9 @@ The namespace and its secret come from arguments or ``dask.config`` (``daskflow-
 process: the login answers the scheduler's challenge with an HMAC of it, and block keys are
 seeded with another HMAC of it (``state.blocks.keyed_digest``). The challenge also goes back
 to the scheduler on this client's own stream, which binds the session to this client: the
-tasks it submits are the session's, and the session ends when the client does.
+tasks it submits are the session's, and the session ends when the client does. An admin's
+calls that change what every tenant keeps send a fresh challenge the same way first
+(``confirmation``).
 
 A secret given to a scheduler with no tenants would make this client an admin of one
 shared trust domain without a word: that is an error (``OpenSchedulerError``) unless
@@ -34,10 +36,23 @@ class KVSession:
     open: bool  # the scheduler has no tenants configured (one trust domain)
 
 
+async def stream_challenge(client) -> str:
+    """A fresh challenge of the scheduler's, sent back on ``client``'s own stream: answered, it
+    binds a login to this client; passed as ``confirm``, it shows an admin call comes from the
+    client the admin session is bound to (a token alone could be replayed by any client)."""
+    nonce = await client.scheduler.kv_challenge()
+    send_on_stream(client, {"op": BIND_OP, "nonce": nonce})
+    return nonce
+
+
+def confirmation(client) -> str:
+    """``stream_challenge`` for a synchronous client: the ``confirm`` of one admin call."""
+    return client.sync(stream_challenge, client)
+
+
 async def login_async(client, namespace: str, secret: str | None) -> KVSession:
     """Log ``client`` (asynchronous, or on its loop) in as ``namespace``."""
-    nonce = await client.scheduler.kv_challenge()
-    send_on_stream(client, {"op": BIND_OP, "nonce": nonce})  # binds the session to this client's stream
+    nonce = await stream_challenge(client)  # binds the session to this client's stream
     proof = login_proof(secret, nonce, namespace) if secret else None
     ans = await client.scheduler.kv_login(namespace=namespace, nonce=nonce, proof=proof)
     return KVSession(ans["session"], ans["namespace"], ans["role"], ans["open"])

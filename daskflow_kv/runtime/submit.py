@@ -58,6 +58,7 @@ class Submitter:
     client: Client  # where tasks are submitted (the session's client: its tasks are the session's)
     spec: tasks.ModelSpec  # the model every compute task loads (its first argument); its namespace tags keys
     bytes_per_token: int  # K/V bytes one token takes in every layer
+    vocab_size: int = 0  # logits per generated token, when a request asks for them (they share its output)
 
     @property
     def block_size(self) -> int:
@@ -106,11 +107,13 @@ class Submitter:
                                       workers=[worker] if worker else None, pure=False)
 
     def out_bytes(self, req) -> int:
-        """KV bytes a prefill's output blocks can hold at most: from the aligned floor of what
-        it reuses to the end of its prompt and generation."""
+        """Bytes a prefill's output can hold at most: its blocks, from the aligned floor of what
+        it reuses to the end of its prompt and generation, and its logits if asked for (fp32 at
+        most). The plugin admits the task on them and, with tenants, refuses a larger result."""
         reqs = req.requests if isinstance(req, tasks.BatchPrefillRequest) else (req,)
         return sum((len(r.tokens) + r.max_new_tokens - aligned_floor(r.reused, self.block_size))
-                   * self.bytes_per_token for r in reqs)
+                   * self.bytes_per_token + (r.max_new_tokens * self.vocab_size * 4 if r.return_logits else 0)
+                   for r in reqs)
 
     def _note(self, op: str, state_id: str, worker: str | None, reads: Sequence[str], decision: dict | None,
               first: bool, kv_out: int, **extra) -> dict:

@@ -4,6 +4,7 @@
     daskflow-kv store du --kv-store s3://bucket/kv --json   # totals and an age histogram
     daskflow-kv store gc --kv-store /data/kv --older-than 7d [--dry-run]
     daskflow-kv store ls --kv-store /data/kv --all          # an admin: every tenant's objects
+    daskflow-kv store migrate --kv-store /data/kv           # your objects named by full key -> keyed names
 
 ``--kv-store`` defaults to the ``daskflow-kv.store.url`` setting. Each command acts for one
 tenant - ``--namespace`` (default ``daskflow-kv.namespace``) with the secret in
@@ -11,6 +12,11 @@ tenant - ``--namespace`` (default ``daskflow-kv.namespace``) with the secret in
 histories and process lists) - and sees and touches only that tenant's directory. ``ls``
 prints what its manifests hold - key, token span, bytes, dtype, fingerprint digest, times
 - and never a token id.
+
+``migrate`` renames the caller's objects written before object names were keyed (named by
+their full block key, which tells whoever walks the store whose directory it is): until it
+runs, reads miss them and they are recomputed (and written under keyed names); ``ls``
+marks them.
 
 ``--all`` is an admin's: every tenant's objects and the legacy ``v1`` layout, by path, size
 and times only (nothing else in a store is readable without the tenant's key); ``gc --all``
@@ -35,14 +41,16 @@ def add_store_subcommand(subparsers):
     p = subparsers.add_parser("store", help="list, size and garbage-collect a persistent KV store")
     sub = p.add_subparsers(dest="store_command", required=True)
     for name, text in (("ls", "one line per stored block (no token ids)"), ("du", "totals and ages"),
-                       ("gc", "delete blocks unused for longer than --older-than")):
+                       ("gc", "delete blocks unused for longer than --older-than"),
+                       ("migrate", "rename your objects named by their full key to keyed names")):
         q = sub.add_parser(name, help=text)
         q.add_argument("--kv-store", default=None, help="directory or fsspec URL (default: daskflow-kv.store.url)")
         q.add_argument("--namespace", default=None,
                        help="tenant to act for (default: daskflow-kv.namespace; its secret comes from "
                             "DASK_DASKFLOW_KV__SECRET, never a flag)")
-        q.add_argument("--all", action="store_true",
-                       help="every tenant's objects, by path, size and times (an admin's; see daskflow-kv.tenants)")
+        if name != "migrate":
+            q.add_argument("--all", action="store_true",
+                           help="every tenant's objects, by path, size and times (an admin's; see daskflow-kv.tenants)")
         q.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
             q.add_argument("--limit", type=int, default=None, help="at most this many rows")
@@ -109,20 +117,30 @@ def cmd_store(args) -> int:
 
     namespace, secret = config.get("namespace", args.namespace), config.get("secret")
     tenant = StoreTenant.derive(namespace, secret)
-    if args.all:
+    every = getattr(args, "all", False)
+    if every:
         check_admin(namespace, secret)
     from . import maintenance as mt
     from .kv_store import open_store
 
     store = open_store(url, tenant)
-    whose = "every tenant" if args.all else f"tenant {store.root}"
+    whose = "every tenant" if every else f"tenant {store.root}"
+    if args.store_command == "migrate":
+        report = mt.migrate(store)
+        if args.json:
+            print(json.dumps({"url": store.url, "tenant": store.root, "renamed": report.renamed,
+                              "dropped": report.dropped}, indent=1))
+        else:
+            print(f"{store.url} ({whose}): {report.renamed} objects renamed to keyed names; {report.dropped} that did "
+                  "not open for this tenant deleted")
+        return 0
     if args.store_command == "ls":
         return _ls(store, mt, limit, args)
     if args.store_command == "du":
-        blocks = mt.scan_all(store.backend) if args.all else mt.scan(store)
-        u = mt.usage(blocks, time.time(), by_area=args.all)
+        blocks = mt.scan_all(store.backend) if every else mt.scan(store)
+        u = mt.usage(blocks, time.time(), by_area=every)
         if args.json:
-            print(json.dumps({"url": store.url, "tenant": "all" if args.all else store.root, **u}, indent=1))
+            print(json.dumps({"url": store.url, "tenant": "all" if every else store.root, **u}, indent=1))
             return 0
         print(f"{store.url} ({whose}): {u['blocks']} blocks, {u['bytes'] / 2**20:.1f} MiB")
         for label, h in u["by_last_use"].items():
@@ -130,10 +148,10 @@ def cmd_store(args) -> int:
         for area, h in u.get("by_tenant", {}).items():
             print(f"  {area:<36}{h['blocks']:>8} blocks {h['bytes'] / 2**20:>10.1f} MiB")
         return 0
-    report = (mt.gc_all(store.backend, older, dry_run=args.dry_run) if args.all
+    report = (mt.gc_all(store.backend, older, dry_run=args.dry_run) if every
               else mt.gc(store, older, dry_run=args.dry_run))
     if args.json:
-        print(json.dumps({"url": store.url, "tenant": "all" if args.all else store.root, "dry_run": args.dry_run,
+        print(json.dumps({"url": store.url, "tenant": "all" if every else store.root, "dry_run": args.dry_run,
                           "older_than_s": older, "deleted": report.deleted, "bytes": report.bytes,
                           "temps": report.temps, "kept": report.kept}, indent=1))
         return 0
@@ -149,9 +167,9 @@ def _ls(store, mt, limit, args) -> int:
         if args.json:
             print(json.dumps(rows, indent=1))
             return 0
-        print(f"{'tenant':<36}{'key':<41}{'bytes':>11} {'written':<17}{'last use':<17}")
+        print(f"{'tenant':<36}{'object':<50}{'bytes':>11} {'written':<17}{'last use':<17}")
         for r in rows:
-            print(f"{r['namespace'] or r['tenant']:<36}{r['key']:<41}{r['object_bytes']:>11} "
+            print(f"{r['namespace'] or r['tenant']:<36}{r['name']:<50}{r['object_bytes']:>11} "
                   f"{_when(r['written']):<17}{_when(r['used']):<17}")
         print(f"{len(rows)} blocks in {store.url} (every tenant)")
         return 0
@@ -162,7 +180,8 @@ def _ls(store, mt, limit, args) -> int:
     print(f"{'key':<41}{'tokens':>13}{'bytes':>11} {'dtype':<9}{'fingerprint':<26}{'last use':<17}")
     for r in rows:
         span = f"[{r['start']}, {r['end']})" if r["valid_header"] else "unreadable"
-        print(f"{r['key']:<41}{span:>13}{r.get('nbytes', r['object_bytes']):>11} {r.get('dtype', '-'):<9}"
+        shown = (r["key"] or r["name"]) + (" (run store migrate)" if r["named_by_key"] else "")
+        print(f"{shown:<41}{span:>13}{r.get('nbytes', r['object_bytes']):>11} {r.get('dtype', '-'):<9}"
               f"{r.get('fingerprint', '-'):<26}{_when(r['used']):<17}")
     print(f"{len(rows)} blocks in {store.url} (tenant {store.root})")
     return 0

@@ -2,9 +2,12 @@
 
 Layout (``layout``)::
 
-    v2/<tenant dir>/blocks/<2 hex>/<key>.kvobj   one block: manifest + tensor, sealed (see codec)
-    v2/<tenant dir>/access/<2 hex>/<key>         empty; its mtime is the block's last read
-    v2/<tenant dir>/probe/...                    calibration objects, deleted after use
+    v2/<tenant dir>/blocks/<2 hex>/<name>.kvobj   one block: manifest + tensor, sealed (see codec)
+    v2/<tenant dir>/access/<2 hex>/<name>         empty; its mtime is the block's last read
+    v2/<tenant dir>/probe/...                     calibration objects, deleted after use
+
+``<name>`` is a keyed hash of the block's key (``StoreTenant.object_name``): the store's
+file names give away neither keys nor whose directory is whose.
 
 A ``KVStore`` is one tenant's view (``tenant.StoreTenant``): it reads, writes, lists and
 deletes only inside its tenant's directory, and opens only objects sealed with its key.
@@ -36,7 +39,7 @@ from ..keys import block_key
 from . import layout
 from .backends import Entry, open_backend
 from .codec import CorruptBlockError, decode, encode, header_length, read_manifest
-from .manifest import BlockManifest
+from .manifest import BlockManifest, check_key
 from .tenant import OPEN_TENANT, StoreTenant
 
 TOUCHED_KEPT = 4096  # access marks remembered per process before the stale ones are dropped
@@ -90,10 +93,10 @@ class KVStore:
 
     # -- layout -----------------------------------------------------------------------------
     def block_path(self, key: str) -> str:
-        return layout.block_path(self.tenant.prefix, key)
+        return layout.block_path(self.tenant.prefix, self.tenant.object_name(check_key(key)))
 
     def access_path(self, key: str) -> str:
-        return layout.access_path(self.tenant.prefix, key)
+        return layout.access_path(self.tenant.prefix, self.tenant.object_name(check_key(key)))
 
     # -- blocks -----------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -159,7 +162,11 @@ class KVStore:
     def manifest(self, key: str) -> BlockManifest | None:
         """The manifest alone, from the object's header (the tensor is not read); None when
         the object is absent or its header does not open for this tenant."""
-        path = self.block_path(key)
+        return self.manifest_at(self.block_path(key), key)
+
+    def manifest_at(self, path: str, key: str | None = None) -> BlockManifest | None:
+        """The manifest of the object at ``path`` (``key``: the block it must be; None: any,
+        as a listing reads it); None when absent or not opening for this tenant."""
         head = self.backend.read(path, 4096)
         if head is None:
             return None
@@ -208,7 +215,7 @@ class KVStore:
         import secrets
 
         key = block_key(secrets.token_hex(16))
-        path = layout.probe_path(self.tenant.prefix, key)
+        path = layout.probe_path(self.tenant.prefix, self.tenant.object_name(key))
         t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         t0 = time.perf_counter()
         data, _ = encode(t, key, 0, 1, "probe", path=path, tenant=self.tenant)

@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .backends import Entry
+from .codec import CorruptBlockError, decode
 from .kv_store import KVStore
-from .layout import LEGACY, StoredBlock, sort_listing
+from .layout import LEGACY, StoredBlock, named_by_key, sort_listing
 from .tenant import VERSION
 
 TEMP_GRACE = 3600.0  # s: a temporary file this old belongs to a writer that died
@@ -48,7 +49,7 @@ def stale(blocks: Iterable[StoredBlock], older_than: float, now: float) -> list[
     age rarely leaves a suffix without its prefix; when it does, the suffix is simply
     never found again (lookups walk chains from their first block) and ages out too.
     """
-    return sorted((b for b in blocks if b.age(now) > older_than), key=lambda b: (b.used, b.area, b.key))
+    return sorted((b for b in blocks if b.age(now) > older_than), key=lambda b: (b.used, b.area, b.name))
 
 
 def usage(blocks: Iterable[StoredBlock], now: float, by_area: bool = False) -> dict:
@@ -77,15 +78,19 @@ def usage(blocks: Iterable[StoredBlock], now: float, by_area: bool = False) -> d
 
 
 def _newest_first(blocks: list[StoredBlock], limit: int | None) -> list[StoredBlock]:
-    return sorted(blocks, key=lambda b: (-b.used, b.area, b.key))[:limit]
+    return sorted(blocks, key=lambda b: (-b.used, b.area, b.name))[:limit]
 
 
 def listing(store: KVStore, limit: int | None = None) -> list[dict]:
-    """The tenant's blocks, newest use first: each manifest (no tokens) and its times."""
+    """The tenant's blocks, newest use first: each manifest (no tokens) and its times. The
+    key comes from the sealed manifest (file names are keyed hashes of it)."""
     rows = []
     for b in _newest_first(scan(store), limit):
-        m = store.manifest(b.key)
-        row = {"key": b.key, "object_bytes": b.nbytes, "written": b.written, "used": b.used, "valid_header": m is not None}
+        m = store.manifest_at(b.path)
+        if m is not None and b.name not in (m.key, store.tenant.object_name(m.key)):
+            m = None  # not the block its name says
+        row = {"key": None if m is None else m.key, "name": b.name, "object_bytes": b.nbytes, "written": b.written,
+               "used": b.used, "valid_header": m is not None, "named_by_key": named_by_key(b) and store.tenant.sealed}
         if m is not None:
             row.update(start=m.start, end=m.end, nbytes=m.nbytes, dtype=m.dtype, shape=list(m.shape),
                        checksum=m.checksum, fingerprint=m.fingerprint, created=m.created)
@@ -97,7 +102,7 @@ def listing_all(backend, limit: int | None = None, names: Mapping[str, str] | No
     """Every tenant's blocks, newest use first, from listings alone: whose directory (with the
     namespace when ``names`` maps the directory to it), path, size, times. Nothing is opened."""
     names = names or {}
-    return [{"tenant": b.area, "namespace": names.get(b.area), "key": b.key, "path": b.path,
+    return [{"tenant": b.area, "namespace": names.get(b.area), "name": b.name, "path": b.path,
              "object_bytes": b.nbytes, "written": b.written, "used": b.used}
             for b in _newest_first(scan_all(backend), limit)]
 
@@ -128,6 +133,37 @@ def gc(store: KVStore, older_than: float, now: float | None = None, dry_run: boo
     """Delete the tenant's blocks unused for ``older_than`` seconds, and its dead writers'
     temporary files. Nothing outside the tenant's directory is touched."""
     return _collect(store.backend, *store.listing(), older_than, now, dry_run)
+
+
+@dataclass(frozen=True, slots=True)
+class MigrateReport:
+    renamed: int  # objects now under their keyed names
+    dropped: int  # objects named by a key that did not open for the tenant (deleted: a miss, never loaded)
+
+
+def migrate(store: KVStore) -> MigrateReport:
+    """Rename the tenant's objects written before names were keyed (named by their full key,
+    which tells a walker whose directory it is) to keyed names: each is opened, checked and
+    sealed again for its new path (the path is part of what a seal authenticates), then the
+    old object and its access mark go. The open tenant's objects keep their keys as names."""
+    renamed = dropped = 0
+    if not store.tenant.sealed:
+        return MigrateReport(0, 0)
+    for b in scan(store):
+        if not named_by_key(b):
+            continue
+        data = store.backend.read(b.path)
+        try:
+            tensor, m = decode(data or b"", b.name, path=b.path, tenant=store.tenant)
+        except CorruptBlockError:
+            dropped += 1
+        else:
+            if store.manifest(m.key) is None:
+                store.put(tensor, m.key, m.start, m.end, m.fingerprint)
+            renamed += 1
+        store.backend.delete(b.path)
+        store.backend.delete(b.access)
+    return MigrateReport(renamed, dropped)
 
 
 def gc_all(backend, older_than: float, now: float | None = None, dry_run: bool = False) -> GCReport:

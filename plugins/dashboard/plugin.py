@@ -26,6 +26,13 @@ that has not logged in gets totals only; a tenant that logged in, its own namesp
 detail; the admin role, every namespace's. Keys are cut short. With no tenants, everyone
 sees everything.
 
+With tenants configured, Dask's own pages that list full keys (``/info/worker/<addr>.html``
+lists every key a worker holds, ``/info/task/...``, call stacks and the exceptions page
+name them too) answer 403 unless ``daskflow-kv.dashboard.dask-key-pages`` is ``show``: a
+full block key fetches its K/V from any Dask client while it is cached. Dask's Bokeh pages
+(the task stream, the graph) also send task keys to the browser and cannot be filtered:
+docs/security.md says how to turn them off.
+
 "KV" is added to the dashboard's navigation bar (and its "More..." menu), next to Dask's
 own pages, when the Bokeh dashboard runs; the routes are listed in ``/sitemap.json`` too.
 
@@ -47,6 +54,8 @@ import logging
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 from tornado.routing import PathMatches
+
+from daskflow_kv import config
 
 from . import access, plots
 from . import metrics as kv_metrics
@@ -127,6 +136,22 @@ class KVParquetHandler(KVHandler):
         self.write(buf.getvalue())
 
 
+# Dask's own pages that list full task keys (distributed.http.scheduler.info's routes).
+DASK_KEY_PAGES = (r"info/worker/(.*)\.html", r"info/task/(.*)\.html", r"info/call-stacks?/(.*)\.html",
+                  r"info/main/exceptions\.html")
+
+
+class DaskKeyPageRefused(web.RequestHandler):
+    """One of Dask's pages that list full keys, with tenants configured: refused, in one line."""
+
+    def get(self, *args):
+        self.set_status(403)
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        self.write("403: this Dask page lists full task keys, and a full KV key fetches a tenant's K/V; it is off "
+                   "while daskflow-kv tenants are configured (daskflow-kv.dashboard.dask-key-pages: show turns it "
+                   "on)\n")
+
+
 def _http_prefix(scheduler) -> str:
     """The dashboard's URL prefix (Scheduler(http_prefix=...)), read off its /metrics route."""
     app = getattr(scheduler, "http_application", None)
@@ -194,6 +219,8 @@ class KVDashboardPlugin(SchedulerPlugin):
         ]
         if plots.available():  # BokehJS for the live plots, from the installed bokeh (no CDN)
             routes.append((rf"{prefix}{plots.STATIC_ROUTE}/(.*)", web.StaticFileHandler, {"path": plots.static_path()}))
+        if config.get("tenants") and config.get("dashboard.dask-key-pages") != "show":  # as the KV plugin reads them
+            routes += [(rf"{prefix}{page}", DaskKeyPageRefused, {}) for page in DASK_KEY_PAGES]
         if self.metrics and kv_metrics.install(scheduler):
             handler = kv_metrics.prometheus_handler_class()
             if handler is not None:  # Dask's /metrics, telling our collector which scheduler it serves
