@@ -80,7 +80,12 @@ class KVPool:
                         self.reserved += need
                         self._running[ticket] = (need, held)
                         return ticket
+                    before = eng.store.nbytes
                     eng.drop_hold(held)
+                    # A cached prefix our own hold pinned (the evictions above released its
+                    # states) is freed by the drop: look again, no finish is coming to wake us.
+                    if eng.store.nbytes < before:
+                        continue
                     self._cond.wait()
             finally:
                 self._line.remove(ticket)
