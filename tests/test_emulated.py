@@ -137,3 +137,26 @@ def test_a_workflow_on_emulated_workers_matches_text_mode():
         result = wf.run(mode="both", runtime=rt)
     assert result.agreement == {"optimist": True, "skeptic": True, "judge": True, "judge2": True}
     assert result.state.agents["judge2"].tokens_reused > 0
+
+
+def test_the_cli_says_emulated_and_names_the_profile(tmp_path, capsys):
+    import json
+
+    from daskflow_kv.cli import main as cli_main
+
+    out = tmp_path / "run.json"
+    assert cli_main(["run", "debate", "--model", MODEL, "--workers", "1", "--agents", "2", "--rounds", "1",
+                     "--mode", "text", "--json", str(out)]) == 0  # (state mode beside it: the workflow test above)
+    label = load_profile(MODEL).label
+    assert label.startswith("EMULATED test-tiny") and label in capsys.readouterr().out
+    assert json.loads(out.read_text())["emulated"] == label
+
+
+def test_a_bench_run_records_the_profile_it_emulated():
+    from daskflow_kv.bench.run import emulated_label
+
+    doc = {"model": {"dtype": "bfloat16"}}
+    assert emulated_label("tiny-llama", doc) is None and "emulated" not in doc["model"]
+    assert emulated_label(MODEL, doc) == load_profile(MODEL).label
+    rec = doc["model"]["emulated"]
+    assert rec["profile"] == "test-tiny" and rec["sources"] and doc["model"]["dtype"] == "float32"

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick", help="same as --profile quick")
-    ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path (profile default)")
+    ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path | emulated:<profile> (profile default)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--experiments", default="1,2,3,4,5,6,7,8",
                     help="comma list of 1-8 (4 and 5 come from 2's runs; 8: parallel materialize)")

@@ -42,6 +42,11 @@ def is_emulated(name) -> bool:
     return isinstance(name, str) and name.startswith(PREFIX)
 
 
+def label_for(model) -> str | None:
+    """How every output that runs ``model`` names it, if it is ``emulated:<profile>``; else None."""
+    return load_profile(model).label if is_emulated(model) else None
+
+
 def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
