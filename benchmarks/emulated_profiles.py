@@ -148,11 +148,14 @@ def cpu_profile(bench_files: list[Path]) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from daskflow_kv.sim.step_cost import fit_in_workers
 
-    runs, commits = [], set()
+    runs, commits, hosts = [], set(), set()
     for f in bench_files:
         d = json.loads(f.read_text())
-        runs += d.get("runs") or []
-        commits.add((d.get("provenance") or {}).get("commit"))
+        runs += [r for r in d.get("runs") or () if r.get("system") != "text"]
+        prov = d.get("provenance") or {}
+        commits.add(prov.get("commit"))
+        host = prov.get("host") or {}
+        hosts.add(f"{host.get('id')} ({host.get('cpu')}, {host.get('cores')} cores)")
     fit = fit_in_workers({"runs": runs})
     cost = fit["paired"].as_dict()
     cost.pop("samples", None)
@@ -164,6 +167,7 @@ def cpu_profile(bench_files: list[Path]) -> dict:
         "step_cost": cost,
         "sources": [{"what": "step_cost: the paired fit of sim.step_cost.fit_in_workers",
                      "files": [str(f) for f in bench_files], "commits": sorted(c or "not recorded" for c in commits),
+                     "hosts": sorted(hosts), "fitted_by": "python benchmarks/emulated_profiles.py cpu <files>",
                      "figure": f"{fit['steps']['paired']} steps a peer worker overlapped (of {fit['steps']['every']}; "
                                f"fit of all: RMS relative error {fit['rms_rel_error']:.3f})"}],
     }
