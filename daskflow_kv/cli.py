@@ -187,6 +187,11 @@ def cmd_run(args, workflow: str) -> int:
 
     steps = Steps()
     print(f"daskflow-kv: {workflow} on {args.model} ({args.dtype}), mode {args.mode}", flush=True)
+    from .model.emulated_profile import label_for
+
+    emulated = label_for(args.model)
+    if emulated:
+        print(f"{emulated}: steps sleep the profile's times; tokens are a hash chain of the prompt", flush=True)
     cluster = client = rt = None
     try:
         if args.scheduler:  # a remote scheduler first: if it is not there, say so before any model work
@@ -239,6 +244,8 @@ def cmd_run(args, workflow: str) -> int:
             with open(args.json, "w") as f:
                 payload = result.as_dict()
                 payload["command"] = " ".join(["daskflow-kv", *sys.argv[1:]])
+                if emulated:
+                    payload["emulated"] = emulated
                 json.dump(payload, f, indent=2, default=str)
             print(f"\nwrote {args.json}")
         ok = not isinstance(result, Comparison) or result.all_agree
@@ -290,7 +297,8 @@ def _common(p: argparse.ArgumentParser, model_key: str) -> None:
     from . import config
 
     p.add_argument("--model", default=None,
-                   help=f"tiny-llama | tiny-qwen2 | smollm2 | a model directory (default: {config.get(model_key)})")
+                   help=f"tiny-llama | tiny-qwen2 | smollm2 | a model directory | emulated:<profile> "
+                        f"(default: {config.get(model_key)})")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help=f"(default: {config.get('dtype')})")
     p.add_argument("--block-size", type=int, default=None,

@@ -16,10 +16,11 @@ import torch
 
 from . import config, validation
 from .errors import InvalidInputError, MergeError
+from .model.emulated_profile import is_emulated
 from .model.batched import BatchOutput, BatchStats, resume_batch
 from .model.runner import ModelRunner, RunMetrics, RunOutput
 from .model.sampling import GREEDY, SamplingParams
-from .model.step_engine import StepRequest
+from .model.step_engine import StepEngine, StepRequest
 from .model.text_codec import TextCodec
 from .state import compat
 from .state.block_store import BlockStore
@@ -44,6 +45,13 @@ class ForkGenerations(list):
     stats: BatchStats | None = None
 
 
+def _own_step_loop(runner) -> Callable[[list[StepRequest], bool], list[RunOutput]]:
+    """``Engine.steps`` over a step loop of this engine's own (a model without weights has no
+    ``resume_batch``: its forks share steps only there)."""
+    loop = StepEngine(runner)
+    return lambda requests, shared_prefix=False: [f.result() for f in loop.submit(requests, shared_prefix)]
+
+
 class Engine:
     def __init__(
         self,
@@ -65,8 +73,15 @@ class Engine:
 
             model = check_model(config.get("model", model), "model")
             dtype = validation.setting("dtype", dtype, "dtype", validation.dtype)
-            lm = load_model(model, dtype=dtype, device=device)
-            runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
+            if is_emulated(model):  # a profile, no weights (model.emulated_runner)
+                from .model.emulated_runner import emulated_runner
+
+                runner = emulated_runner(model, block_size, namespace)
+            else:
+                lm = load_model(model, dtype=dtype, device=device)
+                runner = ModelRunner(lm.model, lm.tokenizer, lm.model_id, block_size, namespace)
+        if steps is None and runner.model is None:  # emulated: resumes of forks run in a step loop of its own
+            steps = _own_step_loop(runner)
         self.runner = runner
         self.steps = steps  # where prefills and decodes run (None: ModelRunner.run / resume_batch here)
         # Serializes the block store and prefix index: with ``steps``, threads of one process share

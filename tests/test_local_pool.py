@@ -73,6 +73,26 @@ def test_a_group_waits_for_room_in_line_and_runs_when_it_frees():
     th.join(5)
 
 
+def test_a_group_whose_own_hold_pins_the_cache_it_evicts_is_admitted():
+    """The cached blocks a waiting group holds (a prefix ending inside a longer cached block)
+    survive the eviction of their states until the group drops its hold: it must look again
+    then, not wait for a finish that never comes (exp 7 zipf-budget hung so, 2026-12-07)."""
+    eng = make_engine(block_size=16)
+    bpt = eng.runner.bytes_per_token
+    longer = [(5 * i) % 200 + 3 for i in range(64)]
+    pool = KVPool(eng, 60 * bpt)  # the group fits alone (57 tokens), not beside the held 64-token cache
+    st = eng.materialize(longer)
+    pool.kept[st.state_id] = st
+    assert group_need(50, 0, [3], 2, 16, bpt) == 57 * bpt
+    out = []
+    th = threading.Thread(target=lambda: out.append(pool.admit(longer[:50], [3], 2, bpt)), daemon=True)
+    th.start()
+    th.join(5)
+    assert out, "admission waited with nothing left to wake it"
+    pool.finish(out[0])
+    assert pool.evicted_states == 1 and pool.reserved == 0
+
+
 def test_a_group_larger_than_the_pool_fails_at_once():
     eng = make_engine(block_size=16)
     pool = KVPool(eng, 1000)

@@ -86,8 +86,10 @@ class KVPool:
                         return ticket
                     before = eng.store.nbytes
                     eng.drop_hold(held)
+                    # A cached prefix our own hold pinned (the evictions above released its
+                    # states) is freed by the drop: look again, no finish is coming to wake us.
                     if eng.store.nbytes < before:
-                        continue  # ours was the last hold on cached blocks: they are gone, look again now
+                        continue
                     self._cond.wait(timeout=_LOOK_AGAIN_S)
             finally:
                 self._line.remove(ticket)

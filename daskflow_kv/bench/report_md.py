@@ -285,6 +285,9 @@ def markdown(doc: dict, summary: list[dict]) -> str:
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in (doc.get("timing") or {}).items())
     lines = [
         f"# daskflow-kv benchmark summary ({doc['tag']})", "",
+        *([f"**{model['emulated']['label']}**: every step slept what the profile prices it at; the "
+           "control plane, transfers and K/V bytes were real ([profile sources]"
+           f"(../../daskflow_kv/model/profiles/{model['emulated']['profile']}.json))  "] if model.get("emulated") else []),
         f"Command: `{doc['command']}`  ", (f"Model: {model.get('model_id', cfg['model'])} ({model.get('dtype')}, "
         f"{model.get('bytes_per_token')} KV bytes/token, {model.get('max_positions')} positions)  "),
         (f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick", help="same as --profile quick")
-    ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path (profile default)")
+    ap.add_argument("--model", help="tiny-llama | tiny-qwen2 | smollm2 | a path | emulated:<profile> (profile default)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--experiments", default="1,2,3,4,5,6,7,8",
                     help="comma list of 1-8 (4 and 5 come from 2's runs; 8: parallel materialize)")
@@ -331,6 +331,7 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
     max_pos = rt.facts.max_positions
     doc["model"] = {"name": cfg["model"], "model_id": rt.fingerprint.model_id, "dtype": cfg["dtype"],
                     "bytes_per_token": rt.facts.bytes_per_token, "max_positions": max_pos}
+    emulated = emulated_label(cfg["model"], doc)
     log(f"cluster up, model loaded in {time.time() - t_start:.1f}s")
     t0 = time.time()
     limit = max_pos - cfg["max_new_tokens"] - 8
@@ -363,6 +364,8 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
         fn()
         doc["timing"][name] = time.time() - t
         provenance.tag_rows(doc["runs"])  # rows pooled with another run's are told apart
+        for r in doc["runs"] if emulated else ():  # every row of an emulated engine says so
+            r.setdefault("emulated", emulated)
         write_json(partial, doc)
 
     try:
@@ -405,6 +408,19 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
         # The profiles the planner ended on, refitted from the run's own prefills (the last
         # ``scheduler.prefill-samples`` per worker): what the simulation fits (``sim.profile``).
         doc["prefill_profiles_end"] = {w: {"a": p.a, "b": p.b, "c": p.c} for w, p in rt.view().prefill.items()}
+
+
+def emulated_label(model: str, doc: dict) -> str | None:
+    """For ``emulated:<profile>``: the profile's record in ``doc["model"]["emulated"]`` and its
+    label (EMULATED, its name, what it stands in for); None for a real model."""
+    from ..model.emulated_profile import is_emulated, load_profile
+
+    if not is_emulated(model):
+        return None
+    profile = load_profile(model)
+    doc["model"]["emulated"] = profile.describe()
+    doc["model"]["dtype"] = profile.dtype  # its K/V's, whatever --dtype said
+    return profile.label
 
 
 def main(argv=None, simulate_exp7=None) -> int:

@@ -119,9 +119,12 @@ class PackedForward(StepForward):
 def forward_for(runner, pool_bytes: int, forward: str = "auto") -> StepForward:
     """The forward a step loop over ``runner`` uses: solo where rows cannot share a forward
     exactly, else packed rows through the hand-written step (``forward="auto"`` and an
-    architecture ``llama_forward`` knows) or through the model's own forward."""
+    architecture ``llama_forward`` knows) or through the model's own forward; a runner's own
+    forward where it has one (an emulated model's)."""
     if forward not in FORWARDS:
         raise ValueError(f"batching.forward={forward!r}; expected one of {FORWARDS}")
+    if hasattr(runner, "step_forward"):  # a runner that brings its own (emulated_runner.EmulatedRunner)
+        return runner.step_forward()
     cfg = runner.model.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     reason = ("prefill below fp32 is fed in block-aligned chunks of its own" if runner.aligned_prefill

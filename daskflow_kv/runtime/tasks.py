@@ -153,7 +153,13 @@ def _default_device(spec: ModelSpec) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _runner(spec: ModelSpec) -> ModelRunner:
+    from ..model.emulated_profile import is_emulated
     from ..model.zoo.loader import load_model
+
+    if is_emulated(spec.model):  # a profile, no weights (its K/V dtype is the profile's, not spec.dtype)
+        from ..model.emulated_runner import emulated_runner
+
+        return emulated_runner(spec.model, spec.block_size, spec.namespace)
 
     lm = load_model(spec.model, dtype=spec.dtype, device=_default_device(spec))
     return ModelRunner(lm.model, lm.tokenizer, lm.model_id, spec.block_size, spec.namespace)
@@ -193,6 +199,9 @@ def model_facts(spec: ModelSpec) -> ModelFacts:
     from ..model.batched_cache import unsupported_layers
 
     r = get_runner(spec)
+    if r.model is None:  # emulated: every request may share a step, at any token
+        return ModelFacts(r.fingerprint, r.bytes_per_token, r.max_positions, r.vocab_size, frozenset(r.eos_ids),
+                          None, r.num_layers, False)
     cfg = r.model.config.get_text_config() if hasattr(r.model.config, "get_text_config") else r.model.config
     # Below fp32 a k-row batched decode rounds unlike one branch's decode, and bf16 greedy
     # tokens then drift from text mode's (SmolLM2): such models resume branch by branch.

