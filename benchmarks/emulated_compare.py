@@ -22,6 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from daskflow_kv.bench import provenance
+
 FIGURES = ("completed_per_min", "tokens_prefilled", "latency_p95_s", "latency_p50_s", "ttft_mean_s",
            "bytes_transferred", "evictions", "failed")
 TOLERANCE = 0.10  # item 2: the emulator within +-10 % of the real row
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     result = fidelity(args.real, args.emulated) if args.kind == "fidelity" else scale(args.bench)
     result["command"] = " ".join(["python", "benchmarks/emulated_compare.py", *(argv or sys.argv[1:])])
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(provenance.stamp(result), indent=1) + "\n")
     print(markdown(result))
     print(f"wrote {args.out}")
     return 0
