@@ -351,8 +351,12 @@ async def test_a_waiting_task_gets_room_by_spilling_idle_blocks_younger_runs_fir
     await until(lambda: plugin.tiers.can_spill(a.address), what="a's report that it keeps a spill disk")
     _full_b, blocks = await _two_runs_pinning_a(c, token, a, b)
     old, mid = blocks["run-old"].key, blocks["run-mid"].key
-    assert len(await submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-old")) == 400
+    made = submit_compute(c, token, a.address, kv_value, 400, kv_out=400, flow="run-old")
+    assert len(await made) == 400
     assert [(e["blocks"], e["nbytes"]) for e in events(plugin, "spill")] == [(1, 400)]
+    done = made.key
+    del made  # its output let go: else the read-back below may need a second spill
+    await until(lambda: state_of(s, done) is None, what="run-old's output released")
     await until(lambda: mid in a.data.slow, what="run-mid's block on a's disk")
     assert old in a.data.fast and plugin.tiers.spilled_on(mid, a.address)
     # a task reading run-mid's spilled block: admitted with room for it, reads it back
