@@ -633,6 +633,32 @@ def spill_keys(worker, keys: Collection) -> list:
     return moved
 
 
+def keep_spilled_on_peer_reads(worker, keeps: Callable[[object], bool]) -> None:
+    """A peer's fetch of a key this worker holds on its spill disk leaves it on disk (for
+    the keys ``keeps`` names).
+
+    Dask's ``get_data`` reads ``worker.data[key]``, and a SpillBuffer read moves the value
+    back into memory, where it stays: a block the KV budget spilled for room here came back
+    the moment a task on another worker fetched it, and the worker held KV past its budget
+    with nothing the budget had admitted. The value is spilled again once it is sent (the
+    peer has its copy; this one was only the transfer's buffer).
+    """
+    get_data = worker.handlers["get_data"]
+    get_data = getattr(get_data, "daskflow_kv_original", get_data)
+
+    async def get_data_keeping_spilled(comm, keys=(), **msg):
+        slow = getattr(worker.data, "slow", None)
+        spilled = [k for k in keys if keeps(k) and k in slow] if slow is not None else []
+        try:
+            return await get_data(comm, keys=keys, **msg)
+        finally:
+            if spilled:
+                spill_keys(worker, spilled)
+
+    get_data_keeping_spilled.daskflow_kv_original = get_data  # installing again replaces, not wraps
+    worker.handlers["get_data"] = get_data_keeping_spilled
+
+
 def add_worker_stream_handlers(worker, handlers: Mapping) -> None:
     """Handlers for messages the scheduler sends on its batched stream to ``worker``
     (``send_to_worker_stream``). Run in the worker's event loop, in the order the scheduler

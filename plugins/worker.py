@@ -104,6 +104,7 @@ class KVWorkerPlugin(WorkerPlugin):
         self._token: str | None = None  # what the scheduler sent this worker; its reports carry it
         self._trimmed = 0.0  # when freed memory was last given back while paused
         di.guard_worker_data(worker, refused_data)
+        di.keep_spilled_on_peer_reads(worker, holds_kv)  # the budget's spills stay spilled when a peer fetches them
         di.add_worker_handlers(worker, {REPORT_TOKEN_RPC: self.take_token})
         di.add_worker_stream_handlers(worker, {SPILL_OP: self.spill})
         self._pc = PeriodicCallback(self.report, config.get_seconds("workers.report-interval") * 1000)

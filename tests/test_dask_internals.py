@@ -410,6 +410,24 @@ def test_the_scheduler_spills_a_named_key_on_a_worker_through_its_stream(client,
     assert float(x.result(timeout=10).sum()) == 1 << 16  # read back from disk
 
 
+def test_a_peers_fetch_leaves_a_kept_key_on_the_spill_disk_and_others_as_dask_does(client, workers):
+    a, b = workers
+    xs = [client.submit(lambda: np.ones(1 << 16), key=f"internals-peer-{n}", workers=[a], pure=False)
+          for n in ("kept", "other")]
+    wait(xs)
+
+    def spill_both(dask_worker):
+        di.keep_spilled_on_peer_reads(dask_worker, lambda key: key == "internals-peer-kept")
+        di.keep_spilled_on_peer_reads(dask_worker, lambda key: key == "internals-peer-kept")  # replaces, not wraps
+        return di.spill_keys(dask_worker, [x.key for x in xs])
+
+    assert client.run(spill_both, workers=[a])[a] == [x.key for x in xs]
+    sums = [client.submit(lambda v: float(v.sum()), x, workers=[b], pure=False) for x in xs]
+    assert client.gather(sums) == [1 << 16] * 2  # the peer read both from a's disk
+    on_disk = client.run(lambda dask_worker: sorted(di.spilled_keys(dask_worker)), workers=[a])[a]
+    assert on_disk == ["internals-peer-kept"]  # Dask's own read brought the other back into memory
+
+
 def test_call_scheduler_reaches_a_plugin_handler(client, workers):
     client.run_on_scheduler(lambda dask_scheduler: di.add_handlers(
         dask_scheduler, {"internals_echo": lambda worker=None, value=None: [worker, value]}))
