@@ -69,6 +69,7 @@ class Held:
     since: float  # when it was submitted
     reserved: int = 0  # bytes promised once admitted to its output
     fetch: tuple = ()  # its KV inputs fetched to its worker: promised there too until they arrive
+    loads: tuple = ()  # its KV inputs it reads back from its worker's spill disk (in memory from admission on)
     worker: str | None = None  # where it was admitted
     gang: str | None = None  # tasks that must start together (a parallel prefill's chunks)
     gang_size: int = 1  # how many tasks the gang has
@@ -295,7 +296,7 @@ class BudgetEnforcer:
         elif finish == "released":  # back to waiting soon (or forgotten): parked again
             self._unreserve(held)
             if held.worker is not None:
-                held.worker, held.reserved, held.fetch = None, 0, ()
+                held.worker, held.reserved, held.fetch, held.loads = None, 0, (), ()
                 ts = self._scheduler.tasks.get(key)
                 if ts is not None:
                     di.pin(self._scheduler, ts, HOLD_WORKER)
@@ -303,6 +304,8 @@ class BudgetEnforcer:
     def _unreserve(self, held: Held) -> None:
         """An admitted task left its worker: its promised room is free (a waiting task may take it)."""
         if held.worker is not None:
+            if held.loads and self._tiers is not None:
+                self._tiers.done_loading(held.worker, held.loads)
             self.note_progress()
 
     def admit(self, spilled: bool = False) -> None:
@@ -631,12 +634,12 @@ class BudgetEnforcer:
         action, victims, reason, worker, need = verdict
         if action == ADMIT:
             self._evict(worker, victims, stimulus)
-            back = self._read_back(ts, worker, stimulus)
+            back, loads = self._read_back(ts, worker)
             fetch = tuple(d.key for d in ts.dependencies if self._usage.is_kv(d.key)
                           and not any(w.address == worker for w in d.who_has or ()))
             fetched = sum(d.get_nbytes() for d in ts.dependencies if d.key in fetch)
             # read back: counted where they are now, in the worker's memory; fetched: until they arrive
-            held.worker, held.reserved, held.fetch = worker, max(0, need - back - fetched), fetch
+            held.worker, held.reserved, held.fetch, held.loads = worker, max(0, need - back - fetched), fetch, loads
             di.pin(self._scheduler, ts, worker)
             di.reschedule(self._scheduler, [key], stimulus)
         elif action == FAIL:
@@ -644,13 +647,13 @@ class BudgetEnforcer:
             self._events.record("over-budget", held.namespace, worker=worker, key=str(key), reason=reason)
             di.fail_task(self._scheduler, key, KVBudgetError(reason), stimulus)
 
-    def _read_back(self, ts, worker: str, stimulus: str) -> int:
+    def _read_back(self, ts, worker: str) -> tuple[int, tuple]:
         """``ts`` is admitted on ``worker``: its inputs on the spill disk there count as in
-        memory from now on (it reads them back as it starts). -> their bytes. An input that
-        every holder has on disk is read back there too, to be sent (a peer's fetch loads it
-        into memory): it counts there at once, and that worker is trimmed to make room."""
+        memory from now on (it reads them back as it starts). -> their bytes and keys. An input that
+        every holder has on disk is read from there to be sent, and stays there (the worker
+        plugin's ``keep_spilled_on_peer_reads``): it counts where it arrives (``_promised``)."""
         if self._tiers is None:
-            return 0
+            return 0, ()
         here = self._usage.spilled_inputs(ts, worker)
         if here:
             self._tiers.mark_loaded(worker, here)
@@ -662,12 +665,8 @@ class BudgetEnforcer:
             holders = [w.address for w in d.who_has or ()]
             if worker in holders or not holders or not all(self._tiers.spilled_on(d.key, w) for w in holders):
                 continue
-            for w in holders:
-                self._tiers.mark_loaded(w, [d.key])
-                self._catalog.count("bytes_read_back", d.get_nbytes(), self._catalog.namespace_of(d.key))
-                if self._settings.kv_budget_bytes is not None:
-                    self._trim(w, self._scheduler.workers[w], self._settings.kv_budget_bytes, time.time(), stimulus)
-        return back
+            self._catalog.count("bytes_read_back", d.get_nbytes(), self._catalog.namespace_of(d.key))
+        return back, tuple(here)
 
     # -- eviction ---------------------------------------------------------------------------------
     def _evict(self, addr: str, keys, stimulus: str) -> None:

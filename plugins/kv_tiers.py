@@ -28,7 +28,7 @@ def _count(e: dict, name: str) -> int:
 
 
 class TierTracker:
-    __slots__ = ("_catalog", "_events", "_spilled", "_can_spill")
+    __slots__ = ("_catalog", "_events", "_spilled", "_loading", "_can_spill")
 
     def __init__(self, catalog: KVCatalog, events: EventLog):
         self._catalog = catalog  # marks persisted blocks, counts store I/O
@@ -36,6 +36,9 @@ class TierTracker:
         # worker -> KV block keys on its spill disk: its last report, updated at once where the
         # budget spills blocks or admits a task that reads some back (the next report corrects it)
         self._spilled: dict[str, frozenset] = {}
+        # worker -> spilled keys an admitted task there reads back: they count as in memory from
+        # its admission on, whatever reports sent before it read them say (``mark_loaded``)
+        self._loading: dict[str, set] = {}
         self._can_spill: dict[str, bool] = {}  # worker -> it keeps a spill disk (its reports say)
 
     def _key(self, e: dict) -> str | None:
@@ -54,7 +57,12 @@ class TierTracker:
         changed = False
         if spilled is not None:
             before = self._spilled.get(worker, frozenset())
-            self._spilled[worker] = frozenset(spilled)
+            on_disk = frozenset(spilled)
+            loading = self._loading.get(worker)
+            if loading:
+                loading &= on_disk  # not on disk any more: read back, counted in memory as Dask says
+                on_disk -= loading
+            self._spilled[worker] = on_disk
             changed = before != self._spilled[worker]
         for e in events or ():
             self._store_event(worker, e)
@@ -79,6 +87,7 @@ class TierTracker:
 
     def forget_worker(self, worker: str) -> None:
         self._spilled.pop(worker, None)
+        self._loading.pop(worker, None)
         self._can_spill.pop(worker, None)
 
     def can_spill(self, worker: str) -> bool:
@@ -87,11 +96,21 @@ class TierTracker:
     def mark_spilled(self, worker: str, keys) -> None:
         """The budget asked ``worker`` to spill ``keys`` (before anything it sends after)."""
         self._spilled[worker] = self._spilled.get(worker, frozenset()) | frozenset(keys)
+        self._loading.get(worker, set()).difference_update(keys)
 
     def mark_loaded(self, worker: str, keys) -> None:
-        """A task admitted on ``worker`` reads ``keys`` back from its spill disk."""
+        """A task admitted on ``worker`` reads ``keys`` back from its spill disk: they count as in
+        memory until it has read them (``done_loading``). A report the worker sent before the
+        task started still lists them on disk; taking it would give their room away twice."""
         if worker in self._spilled:
             self._spilled[worker] = self._spilled[worker] - frozenset(keys)
+        self._loading.setdefault(worker, set()).update(keys)
+
+    def done_loading(self, worker: str, keys) -> None:
+        """The task that read ``keys`` back on ``worker`` left it: its next report says where they are."""
+        loading = self._loading.get(worker)
+        if loading:
+            loading.difference_update(keys)
 
     def spilled_bytes(self, worker: str, nbytes) -> int:
         """Bytes of the blocks on ``worker``'s spill disk (``nbytes``: key -> size)."""

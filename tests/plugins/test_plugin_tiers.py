@@ -56,6 +56,31 @@ async def test_tiers_follow_the_workers_reports(c, s, a, b):
     counters = (await c.scheduler.kv_counters(session=token))["counters"]
     assert (counters["store_writes"], counters["store_bytes_written"]) == (1, 500)
 
-    assert await first is not None  # read back from disk: back in memory, and the next report says so
+    assert await first is not None  # the client's read, as a peer's, leaves it on a's disk
+    assert first.key in di.spilled_keys(a)
+    assert await c.submit(lambda kv: kv is not None, first, workers=[a.address], pure=False)
+    # a task on a read it back: back in memory, and the next report says so
     await until(lambda: not plugin.tiers.spilled_on(first.key, a.address), what="a's report after the read")
     assert _rows(await c.scheduler.kv_catalog(session=token))[first.key]["tier"] == "memory"
+
+
+def test_a_block_an_admitted_task_reads_back_counts_in_memory_until_it_is_read():
+    from daskflow_kv.plugins.kv_tiers import TierTracker
+
+    tiers = TierTracker(catalog=None, events=None)
+    tiers.report("w", spilled=["k", "j"])
+    tiers.mark_loaded("w", ["k"])  # admitted: its room is taken now
+    tiers.report("w", spilled=["k", "j"])  # sent before the task read k: k must not count as on disk again
+    assert not tiers.spilled_on("k", "w") and tiers.spilled_on("j", "w")
+    tiers.report("w", spilled=["j"])  # read back
+    tiers.report("w", spilled=["k", "j"])  # on disk again later (Dask's own spilling): believed
+    assert tiers.spilled_on("k", "w")
+
+    tiers.mark_loaded("w", ["j"])
+    tiers.done_loading("w", ["j"])  # its reader left without reading it: the next report decides
+    tiers.report("w", spilled=["k", "j"])
+    assert tiers.spilled_on("j", "w")
+    tiers.mark_loaded("w", ["k"])
+    tiers.mark_spilled("w", ["k"])  # spilled again by the budget before it was read
+    tiers.report("w", spilled=["k", "j"])
+    assert tiers.spilled_on("k", "w")
