@@ -31,7 +31,7 @@ from .preloads import (  # noqa: F401  -- part of this module's interface
     NANNY_PRELOAD,
     SCHEDULER_PRELOAD,
     WORKER_PRELOAD,
-    _preload_argv,
+    preload_argv,
     comm_protocol,
     kv_dask_config,
     scheduler_options,
@@ -129,7 +129,7 @@ def connect(address: str, timeout: str | float = "10s", security=None, **client_
 
 def scheduler_command(kv_budget=None, port: int = 8786) -> str:
     """The shell command that starts a KV-aware scheduler by hand (or in its own batch job)."""
-    args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *_preload_argv(kv_budget),
+    args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *preload_argv(kv_budget),
             "--preload", DASHBOARD_PRELOAD]
     return " ".join(shlex.quote(a) for a in args)
 
