@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from .chaos import run_flow, agent_tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, doc_sequence, documents
 
 

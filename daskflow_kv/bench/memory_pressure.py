@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .chaos import run_flow, agent_tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, documents
 
 

@@ -22,7 +22,7 @@ from .. import validation
 from ..errors import InvalidInputError
 from . import measured_code
 from .common import summary_file
-from .report_md import find_row, exp_points, md_table, metric_cell
+from .report_md import exp_points, find_row, md_table, metric_cell
 from .summary import POINT_KEY, SUBJECT, best_baseline, exp3_errors, gain, summarize, targets, upgrade
 from .systems import LABELS
 

@@ -29,7 +29,7 @@ from ..flow.executor import run_state_mode
 from ..flow.prompts import prompt_tokens
 from ..state.blocks import common_prefix_len
 from . import cluster_process
-from .chaos import run_flow, agent_tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, doc_sequence, documents
 
 SALT = "scheduler-lost"  # the same prompts on both clusters: the store's keys match

@@ -22,8 +22,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from .. import dask_internals as di
 from ..keys import PLUGIN_NAME
-from .chaos import run_flow, agent_tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, doc_sequence, documents
 
 STALL_S = 20.0  # no workflow finished for this long: the admission state is recorded
@@ -59,8 +60,8 @@ def _scheduler_gauges(dask_scheduler) -> dict:
     from daskflow_kv.keys import PLUGIN_NAME
 
     p = dask_scheduler.plugins[PLUGIN_NAME]
-    spans = dask_scheduler.extensions["spans"].spans.values()
-    return {"dask_spans": len(spans), "dask_span_groups": sum(len(sp.groups) for sp in spans),"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
+    spans, span_groups = di.span_history_size(dask_scheduler)
+    return {"dask_spans": spans, "dask_span_groups": span_groups,"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
             "catalog_blocks": len(p.catalog.blocks), "catalog_states": len(p.catalog.states),
             "events": len(p.event_log.events()), "decisions": len(p.event_log.decisions()),
             "sessions": len(p.tenants), "leases": p.leases.held(), "timeline_workflows": p.timeline.held()}
