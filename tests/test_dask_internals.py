@@ -284,24 +284,6 @@ async def test_dashboard_template_variables_are_the_shared_memoized_menus(c, s, 
     assert di.dashboard_template_variables(s) is tv  # one dict per scheduler: an entry added shows on every page
 
 
-def test_prometheus_handler_base_is_dasks_metrics_request_handler():
-    pytest.importorskip("prometheus_client")
-    from distributed.http.utils import RequestHandler
-
-    base = di.prometheus_handler_base()
-    assert issubclass(base, RequestHandler) and callable(base.get)
-
-
-def test_a_client_keeps_the_cluster_attached_to_it(client):
-    assert di.owned_cluster(client) is None
-    owned = object()
-    di.attach_owned_cluster(client, owned)
-    try:
-        assert di.owned_cluster(client) is owned
-    finally:
-        di.attach_owned_cluster(client, None)
-
-
 @gen_test(timeout=60)
 async def test_a_retiring_cluster_moves_the_keys_of_the_workers_it_drops():
     """Scale-down retires the dropped worker by name first: its key moves, not recomputed."""
@@ -328,6 +310,24 @@ async def test_a_retiring_cluster_moves_the_keys_of_the_workers_it_drops():
         # moved off the worker, not run again (lost, it would wait for the dropped worker for good)
         assert await asyncio.wait_for(f.result(), 10) == "kept" and _RAN.count("kept") == 1
         assert len(cluster.workers) == 1
+
+
+def test_prometheus_handler_base_is_dasks_metrics_request_handler():
+    pytest.importorskip("prometheus_client")
+    from distributed.http.utils import RequestHandler
+
+    base = di.prometheus_handler_base()
+    assert issubclass(base, RequestHandler) and callable(base.get)
+
+
+def test_a_client_keeps_the_cluster_attached_to_it(client):
+    assert di.owned_cluster(client) is None
+    owned = object()
+    di.attach_owned_cluster(client, owned)
+    try:
+        assert di.owned_cluster(client) is owned
+    finally:
+        di.attach_owned_cluster(client, None)
 
 
 def test_futures_for_keys_another_client_submitted(cluster, client):
