@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from daskflow_kv.bench import cluster_process
-from daskflow_kv.bench.chaos import _run, _tokens
+from daskflow_kv.bench.chaos import agent_tokens, run_flow
 from daskflow_kv.bench.common import RESULTS_DIR, command_line, log, machine_info, write_json
 from daskflow_kv.bench.load_stream import Arrival, build, doc_sequence, documents
 from daskflow_kv.bench import process_load
@@ -48,7 +48,7 @@ def stream(runtimes, pool, ref, mode: str, workflows: int, concurrency: int, see
             i = r.randrange(len(pool))
             t = time.perf_counter()
             try:
-                out = _tokens(_run(runtimes[c], pool[i], mode))
+                out = agent_tokens(run_flow(runtimes[c], pool[i], mode))
                 rec = {"latency_s": time.perf_counter() - t, "agree": out == ref[i]}
             except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
                 rec = {"latency_s": time.perf_counter() - t, "error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -79,7 +79,7 @@ def measure(workers: int, args) -> list[dict]:
         of = doc_sequence(args.pool, docs, "zipf", seed=args.seed)
         salt = f"cp-{workers}-{random.Random(args.seed).randrange(1 << 30)}"
         pool = [build(Arrival(i, 0.0, 0, of[i]), texts[of[i]], salt, args.max_new) for i in range(args.pool)]
-        ref = [_tokens(_run(rt, wf, "text")) for wf in pool]  # the reference, and a warm-up of every worker
+        ref = [agent_tokens(run_flow(rt, wf, "text")) for wf in pool]  # the reference, and a warm-up of every worker
         agents = statistics.fmean(len(wf.agents) for wf in pool)
         rows = []
         for mode in args.modes:

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     v.number("--rate", args.rate, above=0)
 
     from daskflow_kv.bench import systems as S
-    from daskflow_kv.bench.run import _warm_up
+    from daskflow_kv.bench.run import warm_up_systems
     from daskflow_kv.runtime.cluster import local_cluster
     from daskflow_kv.runtime.kv_runtime import KVRuntime
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         doc["calibration"] = rt.calibrate(probe_bytes=32 << 20, probe_tokens=min(args.context + 128,
                                                                                  rt.facts.max_positions - 16))
         b = S.make_bench(rt, S.workers_of(client))
-        _warm_up(b, ["local", "dkv"], args.max_new)
+        warm_up_systems(b, ["local", "dkv"], args.max_new)
         doc["model"] = {"name": args.model, "bytes_per_token": rt.facts.bytes_per_token}
         doc["runs"] = KP.run(b, args.streams, args.fractions, args.workflows, args.rate, args.docs, args.context,
                              args.max_new, args.reps)

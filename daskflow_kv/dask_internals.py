@@ -63,6 +63,48 @@ def send_on_stream(client, msg: dict) -> None:
     client._send_to_scheduler(msg)
 
 
+_OWNED_CLUSTER = "_daskflow_owned_cluster"
+
+
+def attach_owned_cluster(client, cluster) -> None:
+    """Remember on ``client`` the cluster this process started for it (closed with it).
+
+    Client has no place for caller data; an attribute of ours on the object keeps the
+    cluster exactly as long as the client, with no registry to clean up.
+    """
+    setattr(client, _OWNED_CLUSTER, cluster)
+
+
+def owned_cluster(client):
+    """The cluster ``attach_owned_cluster`` remembered on ``client``; None when none was."""
+    return getattr(client, _OWNED_CLUSTER, None)
+
+
+def retiring_by_name(cluster_class: type, names: Callable[[set, Iterable], list], class_name: str) -> type:
+    """A subclass of the SpecCluster class ``cluster_class`` whose scale-down first retires the
+    workers it drops by their Dask worker names, ``names(dropped spec names, every worker's
+    name)``, then goes on as Dask's own.
+
+    SpecCluster's ``_correct_state_internal`` (its only scale step; no public hook) asks the
+    scheduler to retire the dropped workers by *spec name* in the argument that takes
+    addresses, so nothing is retired and the workers close with their keys still in memory:
+    for a job of several workers (``name-0``, ``name-1``) every KV block on them is lost.
+    """
+    from distributed.core import Status
+
+    class Retiring(cluster_class):
+        async def _correct_state_internal(self) -> None:
+            dropped = set(self.workers) - set(self.worker_spec)
+            if dropped and self.scheduler.status == Status.running:
+                retire = names(dropped, (w["name"] for w in self.scheduler_info["workers"].values()))
+                if retire:
+                    await self.scheduler_comm.retire_workers(names=retire)
+            await super()._correct_state_internal()
+
+    Retiring.__name__ = Retiring.__qualname__ = class_name
+    return Retiring
+
+
 # -- scheduler side: who is calling ---------------------------------------------------------------
 def current_connection() -> asyncio.Task | None:
     """The connection the scheduler is serving at this moment, as an opaque object.
@@ -491,6 +533,39 @@ def drop_spans(scheduler, spans) -> None:
         ext.spans.pop(sp.id, None)
     for index in (ext.root_spans, *ext.spans_search_by_name.values(), *ext.spans_search_by_tag.values()):
         index[:] = [sp for sp in index if id(sp) not in gone]
+
+
+# -- scheduler side: its dashboard ------------------------------------------------------------------
+def dashboard_template_variables(scheduler) -> dict | None:
+    """The variables Dask's Bokeh dashboard renders every page with (``pages``: the navigation
+    bar, ``plots``: the "More..." menu); None when no Bokeh dashboard can run.
+
+    ``distributed.dashboard.scheduler.template_variables`` is memoized per scheduler and its
+    lists are shared with every page's template, so an entry appended to them shows on
+    every dashboard page rendered afterwards: the only way to add a page to Dask's menus.
+    """
+    try:
+        from distributed.dashboard.scheduler import template_variables
+
+        return template_variables(scheduler)
+    except Exception:  # noqa: BLE001 -- no Bokeh (or no dashboard module): no menus to read or extend
+        return None
+
+
+def prometheus_handler_base() -> type:
+    """Dask's scheduler ``/metrics`` request handler, to subclass (it lives in a module Dask
+    does not document; the class is what ``/metrics`` routes to)."""
+    from distributed.http.scheduler.prometheus.core import PrometheusHandler
+
+    return PrometheusHandler
+
+
+def span_history_size(scheduler) -> tuple[int, int]:
+    """Spans the scheduler's spans extension keeps, and the task groups they hold (the
+    history ``prune_dead_groups``/``drop_spans`` keep bounded); (0, 0) without the extension."""
+    ext = scheduler.extensions.get("spans")
+    spans = list(ext.spans.values()) if ext is not None else []
+    return len(spans), sum(len(sp.groups) for sp in spans)
 
 
 def oldest_heartbeat(scheduler) -> float:

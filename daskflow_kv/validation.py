@@ -7,7 +7,8 @@ points (the CLI, ``Engine``, ``KVRuntime``, ``Workflow``) call them first, so a 
 fails in milliseconds, before a cluster starts, a model loads, a block is acquired or a task
 is submitted: nothing is left half done and the runtime stays usable.
 
-Imports only ``errors`` and ``config``, so every layer may use it. Two checks look outside
+Imports only ``errors``, ``config`` and ``plain_checks`` (the checks that need nothing but
+Python, which ``policy/`` uses without Dask), so every layer may use it. Two checks look outside
 the process, with the standard library only: ``writable_file``/``writable_dir`` (the file
 system) and ``scheduler_reachable`` (one TCP connect). Whether a *state* fits a model stays
 in ``state.compat``.
@@ -28,6 +29,7 @@ from dask.utils import parse_bytes, parse_timedelta
 
 from . import config
 from .errors import InvalidInputError
+from .plain_checks import choice, fail, integer, number, optional, show_value  # noqa: F401 -- re-exported
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # accepted spelling -> canonical name
@@ -36,94 +38,32 @@ _SOCKET_SCHEMES = ("tcp", "tls", "ws", "wss")  # reachable by a plain TCP connec
 _DEFAULT_PORT = 8786  # Dask's, when an address names none
 
 
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fail(name: str, must: str, value) -> NoReturn:
-    raise InvalidInputError(f"{name} must be {must}, got {_show(value)}")
-
-
-def _bounds(kind: str, minimum, maximum) -> str:
-    if minimum is not None and maximum is not None:
-        return f"{kind} from {minimum} to {maximum}"
-    if minimum is not None:
-        return f"{kind} >= {minimum}"
-    if maximum is not None:
-        return f"{kind} <= {maximum}"
-    return kind
-
-
-# -- scalars ----------------------------------------------------------------------------------
-def integer(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """A true integer (``int``, numpy/torch integer scalars); never a bool, float or string."""
-    must = _bounds("an integer", minimum, maximum)
-    if isinstance(value, (bool, str, bytes)):
-        _fail(name, must, value)
-    try:
-        v = operator.index(value)
-    except TypeError:
-        _fail(name, must, value)
-    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
-        _fail(name, must, value)
-    return v
-
-
-def number(name: str, value, minimum: float | None = None, maximum: float | None = None,
-           above: float | None = None) -> float:
-    """A finite real number within bounds (``above``: strictly greater than)."""
-    must = _bounds("a number", minimum, maximum) if above is None else f"a number > {above}" + (
-        f" and <= {maximum}" if maximum is not None else "")
-    if isinstance(value, (bool, str, bytes)):
-        _fail(name, must, value)
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        _fail(name, must, value)
-    if not math.isfinite(v) or (minimum is not None and v < minimum) or (maximum is not None and v > maximum) \
-            or (above is not None and v <= above):
-        _fail(name, must, value)
-    return v
-
-
-def choice(name: str, value, choices: Collection[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        _fail(name, f"one of {', '.join(choices)}", value)
-    return value
-
-
 def byte_size(name: str, value, minimum: int = 1) -> int:
     """A byte count: an int or a string like ``512MiB`` / ``2GB`` / ``1e9``."""
     must = {0: "a byte size such as 512MiB or 2GB", 1: "a positive byte size such as 512MiB or 2GB"}.get(
         minimum, f"a byte size such as 512MiB or 2GB, at least {minimum} bytes")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        _fail(name, must, value)
+        fail(name, must, value)
     try:
         v = int(parse_bytes(value))
     except (TypeError, ValueError, OverflowError):
-        _fail(name, must, value)
+        fail(name, must, value)
     if v < minimum:
-        _fail(name, must, value)
+        fail(name, must, value)
     return v
 
 
 def duration(name: str, value) -> float:
     """Seconds > 0, from a number or a string like ``200ms`` / ``3s``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        _fail(name, "a duration such as 3s or 200ms", value)
+        fail(name, "a duration such as 3s or 200ms", value)
     try:
         v = float(parse_timedelta(value, default="seconds"))
     except (TypeError, ValueError, KeyError):
-        _fail(name, "a duration such as 3s or 200ms", value)
+        fail(name, "a duration such as 3s or 200ms", value)
     if not math.isfinite(v) or v <= 0:
-        _fail(name, "a duration such as 3s or 200ms (> 0)", value)
+        fail(name, "a duration such as 3s or 200ms (> 0)", value)
     return v
-
-
-def optional(name: str, value, check: Callable, *args, **kwargs):
-    """None stays None; anything else goes through ``check``."""
-    return None if value is None else check(name, value, *args, **kwargs)
 
 
 def setting(key: str, override, name: str, check: Callable, *args, **kwargs):
@@ -142,7 +82,7 @@ def dtype(name: str, value) -> str:
     """``float32`` | ``bfloat16`` | ``float16`` (``fp32``, ``torch.bfloat16``... accepted)."""
     key = str(value).removeprefix("torch.") if not isinstance(value, (bool, int, float)) else None
     if key not in DTYPES:
-        _fail(name, "one of float32, bfloat16, float16", value)
+        fail(name, "one of float32, bfloat16, float16", value)
     return DTYPES[key]
 
 
@@ -158,7 +98,7 @@ def auto_or_count(name: str, value) -> str | int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _fail(name, '"auto" or an integer >= 1', value)
+        fail(name, '"auto" or an integer >= 1', value)
     return value
 
 
@@ -187,18 +127,18 @@ def token_ids(name: str, tokens, vocab_size: int | None = None, allow_empty: boo
     on a worker): pass text to the operators that take text, ids everywhere else.
     """
     if isinstance(tokens, (str, bytes)):
-        raise InvalidInputError(f"{name} must be a sequence of token ids, got text {_show(tokens)}; "
+        raise InvalidInputError(f"{name} must be a sequence of token ids, got text {show_value(tokens)}; "
                                 "encode it first (encode(text))")
     try:
         items = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # arrays, tensors
     except TypeError:
-        _fail(name, "a sequence of token ids (ints)", tokens)
+        fail(name, "a sequence of token ids (ints)", tokens)
     if not isinstance(items, list):  # a 0-d array's tolist() is a scalar
-        _fail(name, "a sequence of token ids (ints)", tokens)
+        fail(name, "a sequence of token ids (ints)", tokens)
     out = []
     for i, t in enumerate(items):
         if isinstance(t, (bool, str, bytes)) or not hasattr(type(t), "__index__"):
-            raise InvalidInputError(f"{name} must be integer token ids, got {_show(t)} "
+            raise InvalidInputError(f"{name} must be integer token ids, got {show_value(t)} "
                                     f"({type(t).__name__}) at position {i}")
         out.append(operator.index(t))
     if not out and not allow_empty:
@@ -213,18 +153,18 @@ def token_ids(name: str, tokens, vocab_size: int | None = None, allow_empty: boo
 def instance(name: str, value, cls: type | tuple[type, ...]):
     if not isinstance(value, cls):
         names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
-        raise InvalidInputError(f"{name} must be a {names}, got {type(value).__name__} {_show(value)}")
+        raise InvalidInputError(f"{name} must be a {names}, got {type(value).__name__} {show_value(value)}")
     return value
 
 
 def pairs(name: str, items, what: str = "(state, suffix)") -> list[tuple]:
     """A sequence of 2-item pairs, as a list of tuples."""
     if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        _fail(name, f"a list of {what} pairs", items)
+        fail(name, f"a list of {what} pairs", items)
     out = []
     for i, item in enumerate(items):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
-            _fail(f"{name}[{i}]", f"a {what} pair", item)
+            fail(f"{name}[{i}]", f"a {what} pair", item)
         out.append(tuple(item))
     return out
 
@@ -241,7 +181,7 @@ def model_source(name: str, value, known: Collection[str], cached: Callable[[str
     Nothing is downloaded at run time, so anything else fails here, naming the choices.
     """
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        _fail(name, f"a model name ({', '.join(known)}) or a model directory", value)
+        fail(name, f"a model name ({', '.join(known)}) or a model directory", value)
     text = str(value)
     if text in known:
         return text
@@ -264,7 +204,7 @@ def model_source(name: str, value, known: Collection[str], cached: Callable[[str
 def writable_file(name: str, path) -> str:
     """A file path that can be created or overwritten (its directory exists and is writable)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        _fail(name, "a file path", path)
+        fail(name, "a file path", path)
     p = Path(path).expanduser()
     if p.is_dir():
         raise InvalidInputError(f"{name} {str(path)!r} is a directory, not a file")
@@ -280,7 +220,7 @@ def writable_file(name: str, path) -> str:
 def readable_file(name: str, path) -> str:
     """An existing, readable file (a certificate, a key)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        _fail(name, "a file path", path)
+        fail(name, "a file path", path)
     p = Path(path).expanduser()
     if not p.is_file():
         raise InvalidInputError(f"{name} {str(path)!r} is not an existing file")
@@ -292,7 +232,7 @@ def readable_file(name: str, path) -> str:
 def writable_dir(name: str, path) -> Path:
     """A directory that exists and is writable, or can be created under a writable one."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        _fail(name, "a directory path", path)
+        fail(name, "a directory path", path)
     p = Path(path).expanduser().absolute()
     probe = p
     while not probe.exists():
@@ -311,7 +251,7 @@ def store_url(name: str, value) -> str:
     """A persistent KV store: a directory (created if needed) or a URL fsspec can open
     (``file://``, ``s3://``, ``gs://``, ``memory://``...). Remote ones are not contacted here."""
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        _fail(name, "a directory or an fsspec URL such as file:///data/kv or s3://bucket/kv", value)
+        fail(name, "a directory or an fsspec URL such as file:///data/kv or s3://bucket/kv", value)
     url = str(value).strip()
     if "://" not in url:
         writable_dir(name, url)
@@ -332,12 +272,12 @@ def scheduler_address(name: str, value) -> tuple[str, str, int]:
     """``(scheme, host, port)`` of ``tcp://host:port``, ``host:port``, ``tls://[::1]:8786``..."""
     must = "a scheduler address such as tcp://host:8786"
     if not isinstance(value, str) or not value.strip():
-        _fail(name, must, value)
+        fail(name, must, value)
     scheme, sep, rest = value.strip().partition("://")
     if not sep:
         scheme, rest = "tcp", value.strip()
     if scheme not in SCHEMES or not rest:
-        _fail(name, must, value)
+        fail(name, must, value)
     if scheme == "inproc":
         return scheme, rest, 0
     if rest.startswith("["):  # [ipv6]:port
@@ -346,11 +286,11 @@ def scheduler_address(name: str, value) -> tuple[str, str, int]:
     else:
         host, _, port_text = rest.rpartition(":") if ":" in rest else (rest, "", "")
     if not host or port_text is None or "/" in host:
-        _fail(name, must, value)
+        fail(name, must, value)
     if not port_text:
         return scheme, host, _DEFAULT_PORT
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        _fail(name, must + " (port 1-65535)", value)
+        fail(name, must + " (port 1-65535)", value)
     return scheme, host, int(port_text)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from distributed import Client, Event, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import gen_cluster, gen_test
 
 from conftest import wait_until
 
@@ -267,6 +267,67 @@ async def test_a_live_spans_repeated_metadata_is_compacted(c, s, a, b):
     assert di.compact_span_metadata(s) == before - 1
     assert span._metadata["collections"] == [{"type": "Future"}]
     assert await c.submit(_inc, 100, key="meta-after") == 101  # the span still takes new tasks
+
+
+@gen_cluster(client=True)
+async def test_the_span_history_size_counts_every_span_and_its_groups(c, s, a, b):
+    await c.gather(c.map(_inc, range(3)))
+    spans, groups = di.span_history_size(s)
+    assert spans == len(s.extensions["spans"].spans) >= 1 and groups >= 1
+
+
+@gen_cluster(client=True)
+async def test_dashboard_template_variables_are_the_shared_memoized_menus(c, s, a, b):
+    pytest.importorskip("bokeh")
+    tv = di.dashboard_template_variables(s)
+    assert "info" in tv["pages"] and all({"url", "name"} <= set(p) for p in tv["plots"])
+    assert di.dashboard_template_variables(s) is tv  # one dict per scheduler: an entry added shows on every page
+
+
+@gen_test(timeout=60)
+async def test_a_retiring_cluster_moves_the_keys_of_the_workers_it_drops():
+    """Scale-down retires the dropped worker by name first: its key moves, not recomputed."""
+    from distributed import LocalCluster
+
+    calls = []
+
+    def names(dropped, worker_names):
+        calls.append(set(dropped))
+        return sorted(dropped)
+
+    cls = di.retiring_by_name(LocalCluster, names, "RetiringLocalCluster")
+    assert cls.__name__ == "RetiringLocalCluster" and issubclass(cls, LocalCluster)
+    _RAN.clear()
+    async with cls(n_workers=2, processes=False, asynchronous=True, dashboard_address=":0") as cluster, \
+            Client(cluster, asynchronous=True) as c:
+        await c.wait_for_workers(2)
+        dropped = list(cluster.worker_spec)[-1]  # scale(1) drops the last spec
+        f = c.submit(_mark, "kept", workers=[cluster.workers[dropped].address], pure=False)
+        await f
+        cluster.scale(1)
+        await cluster
+        assert calls == [{dropped}]
+        # moved off the worker, not run again (lost, it would wait for the dropped worker for good)
+        assert await asyncio.wait_for(f.result(), 10) == "kept" and _RAN.count("kept") == 1
+        assert len(cluster.workers) == 1
+
+
+def test_prometheus_handler_base_is_dasks_metrics_request_handler():
+    pytest.importorskip("prometheus_client")
+    from distributed.http.utils import RequestHandler
+
+    base = di.prometheus_handler_base()
+    assert issubclass(base, RequestHandler) and callable(base.get)
+
+
+def test_a_client_keeps_the_cluster_attached_to_it(client):
+    assert di.owned_cluster(client) is None
+    owned = object()
+    di.attach_owned_cluster(client, owned)
+    try:
+        assert di.owned_cluster(client) is owned
+    finally:
+        di.attach_owned_cluster(client, None)
 
 
 def test_futures_for_keys_another_client_submitted(cluster, client):

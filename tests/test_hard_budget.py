@@ -52,7 +52,7 @@ def test_sampled_peak_stays_within_budget_plus_one_block(client):
     assert natural > budget + block, (natural, budget)  # the budget really binds
     rt.configure(kv_budget_bytes=budget)  # trims what the first run left cached
     deadline = time.time() + 10
-    while max(rt.client.run(wt._kv_bytes).values()) > budget and time.time() < deadline:
+    while max(rt.client.run(wt.held_kv_bytes).values()) > budget and time.time() < deadline:
         time.sleep(0.05)
     try:
         cmps, peaks = _run(rt, "bounded")

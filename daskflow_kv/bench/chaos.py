@@ -43,11 +43,11 @@ class ChaosConfig:
     seed: int = 7
 
 
-def _tokens(res) -> dict[str, list[int]]:
+def agent_tokens(res) -> dict[str, list[int]]:
     return {n: list(a.tokens) for n, a in res.agents.items()}
 
 
-def _run(rt, wf, mode: str):
+def run_flow(rt, wf, mode: str):
     cw = compile_workflow(wf, rt.tokenizer, rt.facts.max_positions, rt.block_size)
     return run_text_mode(cw, rt) if mode == "text" else run_state_mode(cw, rt)
 
@@ -100,7 +100,7 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
     flows = {a.index: build(a, texts[a.doc], salt, cfg.max_new) for a in arrivals}
 
     log(f"chaos: text replay of {n} workflows (the reference, no kills)")
-    ref = {a.index: _tokens(_run(runtimes[a.client], flows[a.index], "text")) for a in arrivals}
+    ref = {a.index: agent_tokens(run_flow(runtimes[a.client], flows[a.index], "text")) for a in arrivals}
     before = runtimes[0].counters()["counters"]
 
     killer = Killer(clients[0], cfg.kill_every, cfg.max_kills, rng)
@@ -115,9 +115,9 @@ def run_chaos(cluster, clients: list, runtimes: list, cfg: ChaosConfig, log=prin
     def one(a: Arrival) -> dict:
         start = time.time()
         try:
-            res = _run(runtimes[a.client], flows[a.index], "state")
+            res = run_flow(runtimes[a.client], flows[a.index], "state")
             return {"index": a.index, "client": a.client, "start_s": start - t0, "latency_s": time.time() - start,
-                    "agree": _tokens(res) == ref[a.index], "preemptions": res.preemptions,
+                    "agree": agent_tokens(res) == ref[a.index], "preemptions": res.preemptions,
                     "killed_worker_redos": res.killed_worker_redos}
         except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
             return {"index": a.index, "client": a.client, "start_s": start - t0, "latency_s": time.time() - start,

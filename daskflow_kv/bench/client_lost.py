@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from .chaos import _run, _tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, doc_sequence, documents
 
 
@@ -63,13 +63,13 @@ def run_client_lost(address: str, client, runtime, workflows: int = 12, kill_aft
         texts = documents(runtime.tokenizer, 2, 128)
         docs = doc_sequence(workflows, 2, "zipf", seed=3)
         flows = [build(Arrival(i, 0.0, 0, docs[i]), texts[docs[i]], "survivor", 6) for i in range(workflows)]
-        ref = [_tokens(_run(runtime, wf, "text")) for wf in flows]
+        ref = [agent_tokens(run_flow(runtime, wf, "text")) for wf in flows]
         results: list = [None] * workflows
 
         def stream():
             for i, wf in enumerate(flows):
                 try:
-                    results[i] = _tokens(_run(runtime, wf, "state")) == ref[i]
+                    results[i] = agent_tokens(run_flow(runtime, wf, "state")) == ref[i]
                 except Exception as e:  # noqa: BLE001 -- recorded
                     results[i] = f"{type(e).__name__}: {e}"
 
@@ -113,7 +113,7 @@ def _victim(address: str) -> None:
     i = 0
     while True:
         wf = build(Arrival(1000 + i, 0.0, 1, i % 2), texts[i % 2], "victim", 6)
-        _run(rt, wf, "state")
+        run_flow(rt, wf, "state")
         i += 1
 
 

@@ -126,7 +126,7 @@ def exp1_parallel(rt, contexts, agents: int, max_new: int, workers, reps: int,
             for name in systems:
                 if name in runs:
                     agree = None if ref is None else runs[name].tokens() == ref
-                    rows.append(E._run_row("exp1p", {"context": ctx}, rep, runs[name], wl, agree))
+                    rows.append(E.run_row("exp1p", {"context": ctx}, rep, runs[name], wl, agree))
     S.drain_kv(rt, timeout=20)
     return rows
 

@@ -36,7 +36,7 @@ from .common import Progress, log
 from .workload import build_workload
 
 
-def _run_row(exp: str, point: dict, rep: int, run: S.SystemRun, wl, agree: bool | None) -> dict:
+def run_row(exp: str, point: dict, rep: int, run: S.SystemRun, wl, agree: bool | None) -> dict:
     ttfts = run.ttfts()
     mem = run.memory or {}
     rss = sum(max(0, m.get("peak_rss", 0) - m.get("start_rss", 0)) for m in mem.values())
@@ -127,7 +127,7 @@ def run_point(b: S.Bench, exp: str, point: dict, context: int, agents: int, max_
                 if agree is False:
                     log(f"  !! {name} outputs differ from text replay at {exp} {point} {phase} rep {rep}: "
                         "speed not reported")
-                row = _run_row(exp, point, rep, runs[name], wl, agree)
+                row = run_row(exp, point, rep, runs[name], wl, agree)
                 if row["ttft_invariant_ok"] is False:
                     log(f"  !! {name} at {exp} {point} rep {rep}: mean TTFT {row['ttft_mean_s']:.3f}s before the "
                         f"shared context was ready ({row['shared_prefill_wall_s']:.3f}s): a timing bug")

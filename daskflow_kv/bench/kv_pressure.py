@@ -6,7 +6,7 @@ worker, never below what the largest workflow level needs alone: ``load.budget_b
 alternating), both starting cold. ``local`` holds its budget as a hard pool (running groups
 and cache together, ``local_pool``); daskflow-kv as its scheduler-side budget (admission,
 eviction, spilling idle pinned blocks, preemption as a last resort). Every row is exp 7's
-(``load._one``) with the pressure evidence: idle worker seconds while work waited, peak KV
+(``load.measure_row``) with the pressure evidence: idle worker seconds while work waited, peak KV
 held per worker, tokens prefilled by why (``load.prefill_split``), blocks spilled and read
 back, evictions, preemptions.
 
@@ -59,7 +59,7 @@ def run(b, streams, fractions, n: int, rate: float, docs: int, context: int, max
                     order = ["local", "dkv"] if rep % 2 == 0 else ["dkv", "local"]
                     for system in order:
                         t0 = time.time()
-                        row = L._one(benches, system, f"{kind}-budget", rate, rep, arrivals, texts, salt, max_new,
+                        row = L.measure_row(benches, system, f"{kind}-budget", rate, rep, arrivals, texts, salt, max_new,
                                      ref, text_tokens, budget, None)
                         row.update(budget_fraction=fraction, working_set_bytes=working_set, stream_kind=kind)
                         rows.append(row)

@@ -92,7 +92,7 @@ def _arm_in_run(rt, action: str, texts: dict, size: int, regime: str, wait_s: fl
     if budget is not None:
         rt.configure(kv_budget_bytes=budget)
     kw = KVWait(rt, forced=action)
-    chosen = decide_wait(kw._facts(state, tool)) if decide else None
+    chosen = decide_wait(kw.wait_facts(state, tool)) if decide else None
     states, comp_out = {"conv": state}, {}
 
     def competitor():  # another workflow run: under the budget, runs wait and are preempted apart

@@ -291,7 +291,7 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
                     arrivals = schedule(n, rate, doc_of, seed=int(rate * 1000) + rep)
                     order = [(s, g) for s in systems for g in gates]
                     for system, gate in order if rep % 2 == 0 else order[::-1]:
-                        rows.append(_one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref,
+                        rows.append(measure_row(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref,
                                          text_tokens, budget, progress, gate, manage_gate))
                         if rows[-1]["saturated"]:
                             saturated.add(system)
@@ -306,7 +306,7 @@ def exp7(b: S.Bench, rates, n: int, docs: int, context: int, max_new: int, syste
     return rows
 
 
-def _one(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, text_tokens, budget, progress,
+def measure_row(benches, system, kind, rate, rep, arrivals, texts, salt, max_new, ref, text_tokens, budget, progress,
          gate=None, manage_gate=False):
     b = benches[0]
     rt = b.rt

@@ -84,7 +84,7 @@ def run_group(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int
     suffix) branch decoded as one batch, once the pool (``retain_bytes``) has room for all
     the group can write. Times are wall clock (``time.time()``); ``start`` is when it was
     admitted, ``arrived`` when it asked."""
-    from .worker_tasks import _worker_address
+    from .worker_tasks import address_or_local
 
     pool = _pool(spec, retain_bytes)
     eng = pool.engine
@@ -110,7 +110,7 @@ def run_group(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int
             "prefill_s": g.metrics.prefill_s, "decode_s": g.metrics.decode_s, "tokens_computed": len(s)}
            for (i, s), g in zip(branches, gens)]
     return {
-        "worker": _worker_address(), "arrived": arrived, "start": start, "stop": stop, "prefix_ready_at": prefix_ready,
+        "worker": address_or_local(), "arrived": arrived, "start": start, "stop": stop, "prefix_ready_at": prefix_ready,
         "prefix_tokens_computed": int(detail.get("tokens_computed", 0)),
         "prefix_tokens_reused": int(detail.get("tokens_reused", 0)),
         "prefix_prefill_s": prefix_ready - start, "batch_load_s": stats.load_s if stats else 0.0,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .chaos import _run, _tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, documents
 
 
@@ -108,7 +108,7 @@ def run_memory_pressure(model: str = "smollm2", workflows: int = 16, docs: int =
             for i, wf in enumerate(flows):
                 t = time.time()
                 try:
-                    rec = {"tokens": _tokens(_run(rt, wf, "state")), "latency_s": time.time() - t}
+                    rec = {"tokens": agent_tokens(run_flow(rt, wf, "state")), "latency_s": time.time() - t}
                 except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
                     rec = {"error": f"{type(e).__name__}: {str(e)[:200]}", "latency_s": time.time() - t}
                 with lock:
@@ -126,7 +126,7 @@ def run_memory_pressure(model: str = "smollm2", workflows: int = 16, docs: int =
         with lock:  # a hung stream may still write
             records = dict(records)
         done = [i for i, r in records.items() if "error" not in r]
-        ref = {i: _tokens(_run(rt, flows[i], "text")) for i in done} if not hung else {}
+        ref = {i: agent_tokens(run_flow(rt, flows[i], "text")) for i in done} if not hung else {}
         tiers = rt.counters()["counters"]
         spilled_total = sum(client.run(_spilled_total).values())
     ok = {i: records[i] for i in done}

@@ -101,7 +101,7 @@ def _local_levels(cw, b: S.Bench, grow=None) -> dict:
         if grow is not None:
             grow.after_level(names, outputs, None)
     return {"agents": agents, "wall_s": time.perf_counter() - t0, "start": wall0, "level_tokens": level_tokens,
-            "shared_ready_at": S._first_ready(wall0, level_outs[0]) if level_outs else None, "prefills": prefills}
+            "shared_ready_at": S.first_ready(wall0, level_outs[0]) if level_outs else None, "prefills": prefills}
 
 
 def _from_executor(res) -> dict:

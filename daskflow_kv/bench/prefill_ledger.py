@@ -14,7 +14,7 @@ and the run differ, which ``ledger`` sorts out of the events alone:
   outside the step loop: the part of ``by_op`` no step's ``prompt_tokens`` shows;
 * ``by_op``: every reported token, by operator.
 
-Plain data in, plain data out: the bench calls it on a row's events (``load._one``).
+Plain data in, plain data out: the bench calls it on a row's events (``load.measure_row``).
 """
 
 from __future__ import annotations

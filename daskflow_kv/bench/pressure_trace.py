@@ -3,7 +3,7 @@
 Every worker samples itself every ``INTERVAL_S`` on a thread of its own (``worker_start``):
 its step loops' busy seconds (the same counter as ``process_load``), requests running and
 waiting in them, the KV blocks Dask holds in its memory (daskflow-kv's blocks, replicas and
-prefill outputs; ``worker_tasks._kv_bytes``), the ``local`` baseline's pool (blocks cached,
+prefill outputs; ``worker_tasks.held_kv_bytes``), the ``local`` baseline's pool (blocks cached,
 bytes reserved for running groups, groups waiting for room) and the KV the step loops hold
 while requests run (their working copy of prefixes and lanes, the same mechanism in both
 systems). The scheduler samples what it holds back: per worker, KV tasks parked by the
@@ -42,7 +42,7 @@ def _loops() -> tuple[float, int, int, int]:
 def worker_start(dask_worker=None, interval: float = INTERVAL_S) -> bool:
     """Start sampling this worker (a previous sampler is dropped)."""
     from . import local_engine as le
-    from .worker_tasks import _kv_bytes
+    from .worker_tasks import held_kv_bytes
 
     worker_stop()
     stop, samples = threading.Event(), []
@@ -52,7 +52,7 @@ def worker_start(dask_worker=None, interval: float = INTERVAL_S) -> bool:
         while not stop.is_set():
             busy, running, waiting, loop_kv = _loops()
             if dask_worker is not None and tick % KV_EVERY == 0:
-                kv = _kv_bytes(dask_worker)
+                kv = held_kv_bytes(dask_worker)
             pool = le.pool_gauges()
             samples.append((time.time(), busy, running, waiting, loop_kv, kv, *pool))
             tick += 1

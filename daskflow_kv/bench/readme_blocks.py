@@ -22,7 +22,7 @@ from .. import validation
 from ..errors import InvalidInputError
 from . import measured_code
 from .common import summary_file
-from .report_md import _find, _points, _table, _val
+from .report_md import exp_points, find_row, md_table, metric_cell
 from .summary import POINT_KEY, SUBJECT, best_baseline, exp3_errors, gain, summarize, targets, upgrade
 from .systems import LABELS
 
@@ -131,19 +131,19 @@ def readme_table(doc: dict, summary: list[dict], summary_link: str = "benchmarks
         for ph in phases:
             cells = [f"{label} ({ph})" if len(phases) > 1 or ph != "cold" else label]
             for s in systems:
-                r = _find(summary, exp, point, s, ph) or (_find(summary, exp, point, s, "cold")
+                r = find_row(summary, exp, point, s, ph) or (find_row(summary, exp, point, s, "cold")
                                                           if s == "text" and ph == "warm" else None)
-                cells.append(_val(r, metric, fmt))
+                cells.append(metric_cell(r, metric, fmt))
             g, name = gain(summary, exp, point, ph, metric, higher_better)
             cells.append("-" if g is None else f"**{g:.2f}x** (vs {name})")
             body.append(cells)
 
     cfg = doc["config"]
-    for ctx in _points(summary, "exp1"):
+    for ctx in exp_points(summary, "exp1"):
         add(f"mean TTFT, {cfg['agents']} agents, {ctx}-token context, s", "exp1", ctx, "ttft_mean_s", "{:.2f}")
-    for k in _points(summary, "exp2"):
+    for k in exp_points(summary, "exp2"):
         add(f"wall, {k} agent{'s' if k != 1 else ''}, {cfg['exp2_context']}-token context, s", "exp2", k, "wall_s", "{:.2f}")
-    for wf in _points(summary, "exp6"):
+    for wf in exp_points(summary, "exp6"):
         add(f"wall, {wf} (multi-round), s", "exp6", wf, "wall_s", "{:.2f}", ("cold",))
     for point, label in _exp7_tops(summary):
         add(f"completed workflows/min {label}", "exp7", point, "completed_per_min", "{:.1f}", ("stream",),
@@ -157,7 +157,7 @@ def readme_table(doc: dict, summary: list[dict], summary_link: str = "benchmarks
              "token, shared prefill included, for every system. Cold: all caches empty; warm: the shared context "
              "left cached by an earlier workflow (text replay has no cache: its warm cells repeat its cold run). "
              "Ratios are against the best baseline at each point.", ""]
-    lines += _table(head, body)
+    lines += md_table(head, body)
     lines += ["", _agreement(summary)]
     e3 = exp3_errors(doc.get("exp3") or [])
     if e3["worst"]:
@@ -218,13 +218,13 @@ def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/
             named[name] = LABELS.get(name, name)
         g, _ = gain(summary, exp, point, phase, metric, higher_better)
         body.append([label, "-" if base is None else f"{fmt.format(base)} ({name})",
-                     _val(_find(summary, exp, point, SUBJECT, phase), metric, fmt),
+                     metric_cell(find_row(summary, exp, point, SUBJECT, phase), metric, fmt),
                      "-" if g is None else f"**{g:.2f}x**"])
 
-    contexts = _points(summary, "exp1")
+    contexts = exp_points(summary, "exp1")
     for ph in ("cold", "warm"):
         for ctx in dict.fromkeys(contexts[:1] + contexts[-1:]):
-            if _find(summary, "exp1", ctx, SUBJECT, ph):
+            if find_row(summary, "exp1", ctx, SUBJECT, ph):
                 add(f"mean TTFT, {cfg['agents']} agents, {ctx}-token context, s ({ph})", "exp1", ctx, ph,
                     "ttft_mean_s", "{:.2f}")
     for point, label in _exp7_tops(summary):
@@ -236,7 +236,7 @@ def headline_table(doc: dict, summary: list[dict], json_link: str = "benchmarks/
              "(shared prefill included); cold: caches empty, warm: the shared context cached by an earlier "
              "workflow. The best baseline is the best of the baselines at each point"
              + (" (" + "; ".join(f"{n}: {label}" for n, label in named.items()) + ")" if named else "") + ".", ""]
-    lines += _table(["measure", "best baseline", "daskflow-kv", "daskflow-kv vs best baseline"], body)
+    lines += md_table(["measure", "best baseline", "daskflow-kv", "daskflow-kv vs best baseline"], body)
     ts = doc.get("targets") or targets(doc, summary)
     missed = [t for t in ts if t["ok"] is False]
     lines += ["", _agreement(summary),

@@ -43,18 +43,18 @@ def _cell(x, fmt="{:.3f}"):
     return fmt.format(x)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _find(summary, exp, point, system, phase):
+def find_row(summary, exp, point, system, phase):
     key = POINT_KEY[exp]
     return next((r for r in summary if r["exp"] == exp and r[key] == point and r["system"] == system
                  and r["phase"] == phase), None)
 
 
-def _val(r, metric, fmt="{:.3f}", spread=False) -> str:
+def metric_cell(r, metric, fmt="{:.3f}", spread=False) -> str:
     if r is None:
         return "-"
     if r.get("invalid"):
@@ -71,7 +71,7 @@ def _val(r, metric, fmt="{:.3f}", spread=False) -> str:
     return text
 
 
-def _points(summary, exp):
+def exp_points(summary, exp):
     key = POINT_KEY[exp]
     return sorted({r[key] for r in summary if r["exp"] == exp}, key=lambda p: (str(type(p)), p))
 
@@ -87,26 +87,26 @@ def grid(summary, exp, metric, title, fmt="{:.3f}", spread=True, higher_better=F
     lines = [f"**{title}** (median over repetitions, (min-max) when more than one; "
              + (" / ".join(phases) + " per cell" if len(phases) > 1 else phases[0]) + ")", ""]
     body = []
-    for p in _points(summary, exp):
+    for p in exp_points(summary, exp):
         cells = [str(p)]
         for s in systems:
-            parts = [_val(_find(summary, exp, p, s, ph), metric, fmt, spread) for ph in phases]
+            parts = [metric_cell(find_row(summary, exp, p, s, ph), metric, fmt, spread) for ph in phases]
             if s == "text" and "warm" in phases:
                 parts[phases.index("warm")] = "(cold)"
             cells.append(" / ".join(parts))
         body.append(cells)
-    lines += _table([key] + [LABELS.get(s, s) for s in systems], body) + [""]
+    lines += md_table([key] + [LABELS.get(s, s) for s in systems], body) + [""]
     if SUBJECT in systems and any(s in BASELINES for s in systems):
         word = "daskflow-kv / best baseline" if higher_better else "best baseline / daskflow-kv"
         lines += [f"Ratio {word} (>1: daskflow-kv better), and which baseline was best:", ""]
         body = []
-        for p in _points(summary, exp):
+        for p in exp_points(summary, exp):
             cells = [str(p)]
             for ph in phases:
                 g, name = gain(summary, exp, p, ph, metric, higher_better)
                 cells.append("-" if g is None else f"{g:.2f}x ({name})")
             body.append(cells)
-        lines += _table([key] + [f"{ph}" for ph in phases], body) + [""]
+        lines += md_table([key] + [f"{ph}" for ph in phases], body) + [""]
     return lines
 
 
@@ -114,7 +114,7 @@ def _targets_lines(doc, summary) -> list[str]:
     ts = doc.get("targets") or targets(doc, summary)
     body = [[t["target"], {True: "met", False: "**MISSED**", None: "not measured"}[t["ok"]], t["detail"]]
             for t in ts]
-    lines = ["## Targets", ""] + _table(["target", "result", "measured"], body) + [""]
+    lines = ["## Targets", ""] + md_table(["target", "result", "measured"], body) + [""]
     notes = doc.get("notes") or {}
     for t in ts:
         if t["ok"] is False:
@@ -178,7 +178,7 @@ def _exp3_lines(doc) -> list[str]:
             ])
         lines += ["Measured (real states, real transfers; netem rows are real tc rate limits; err = (model - "
                   "measured) / measured; T/R = measured transfer / recompute):", ""]
-        lines += _table(head, body) + [""]
+        lines += md_table(head, body) + [""]
         e3 = exp3_errors(rows)
         if e3["worst"]:
             a, v, what, label, ctx = e3["worst"]
@@ -208,7 +208,7 @@ def _exp3_lines(doc) -> list[str]:
             any_r = next(iter(rs.values()))
             body.append([str(c), _cell(any_r["crossover_gbps"] * 8, "{:.3f}")] + [
                 f"{rs[bw]['action'][:2]} {rs[bw]['t_transfer_s']:.3f}/{rs[bw]['t_recompute_s']:.3f}" for bw in bws])
-        lines += _table(head, body) + ["", "(tr/re = chosen action; cells: modeled transfer s / recompute s)", ""]
+        lines += md_table(head, body) + ["", "(tr/re = chosen action; cells: modeled transfer s / recompute s)", ""]
     return lines
 
 
@@ -228,7 +228,7 @@ def _memory_table(summary) -> list[str]:
                          f"{_cell(mib(r['kv_accounted_bytes']), '{:.1f}')} / "
                          f"{_cell(mib(r['rss_peak_delta_bytes']), '{:.1f}')}")
         body.append(cells)
-    return lines + _table(["k"] + [LABELS.get(s, s) for s in systems], body) + [""]
+    return lines + md_table(["k"] + [LABELS.get(s, s) for s in systems], body) + [""]
 
 
 def _exp6_lines(summary) -> list[str]:
@@ -243,7 +243,7 @@ def _exp6_lines(summary) -> list[str]:
              ", ".join(_cell(x, "{:.2f}") for x in (r.get("round_ttft_s") or [])) or r.get("invalid", "-")]
             for r in rows]
     lines += ["**Mean TTFT per round** (from the round's start, s; rounds in order):", ""]
-    return lines + _table(["workflow", "system", "per round"], body) + [""]
+    return lines + md_table(["workflow", "system", "per round"], body) + [""]
 
 
 def _exp7_lines(summary) -> list[str]:
@@ -262,13 +262,13 @@ def _exp7_lines(summary) -> list[str]:
     for r in rows:
         body.append([r.get("stream", "-"), _cell(r.get("rate"), "{:g}"), LABELS.get(r["system"], r["system"]),
                      _cell(r.get("offered_per_min"), "{:.1f}"),
-                     _val(r, "completed_per_min", "{:.1f}") + _spread(r, "completed_per_min", "{:.1f}"),
-                     _val(r, "latency_p50_s", "{:.1f}"), _val(r, "latency_p95_s", "{:.1f}"),
-                     _val(r, "ttft_mean_s", "{:.2f}"), _cell(r.get("tokens_prefilled"), "{:.0f}"),
+                     metric_cell(r, "completed_per_min", "{:.1f}") + _spread(r, "completed_per_min", "{:.1f}"),
+                     metric_cell(r, "latency_p50_s", "{:.1f}"), metric_cell(r, "latency_p95_s", "{:.1f}"),
+                     metric_cell(r, "ttft_mean_s", "{:.2f}"), _cell(r.get("tokens_prefilled"), "{:.0f}"),
                      _cell(r.get("hit_rate"), "{:.0%}"), _cell(r.get("repeat_prefill_tokens"), "{:.0f}"),
                      _cell(r.get("transfers"), "{:.0f}"), _cell(r.get("evictions"), "{:.0f}"),
                      _cell(r.get("failed"), "{:.0f}"), {True: "yes", False: "no", None: "-"}[r.get("agree")]])
-    lines += _table(["stream", "rate /min", "system", "offered /min", "completed /min", "p50 s", "p95 s",
+    lines += md_table(["stream", "rate /min", "system", "offered /min", "completed /min", "p50 s", "p95 s",
                      "mean TTFT s", "tokens prefilled", "hit rate", "repeat prefill", "transfers", "evictions",
                      "failed", "agree"], body) + [""]
     return lines
@@ -348,7 +348,7 @@ def markdown(doc: dict, summary: list[dict]) -> str:
     if warm:
         lines += ["**Warm TTFT against an in-process Engine resume of the same shapes** (daskflow-kv's branches "
                   "per worker, batched, over a prefix already in memory; first repetition):", ""]
-        lines += _table(["exp", "point", "daskflow-kv warm TTFT s", "Engine resume TTFT s", "ratio"],
+        lines += md_table(["exp", "point", "daskflow-kv warm TTFT s", "Engine resume TTFT s", "ratio"],
                         [[r["exp"], str(r[POINT_KEY[r["exp"]]]), _cell(r["ttft_mean_s"]),
                           _cell(r["engine_ttft_mean_s"]), _cell(r["ttft_mean_s"] / r["engine_ttft_mean_s"], "{:.2f}x")]
                          for r in warm]) + [""]

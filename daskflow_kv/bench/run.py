@@ -208,7 +208,7 @@ def check(cfg: dict) -> dict:
     return cfg
 
 
-def _warm_up(b, systems, max_new) -> None:
+def warm_up_systems(b, systems, max_new) -> None:
     """One tiny run of every system: model code paths, connections and kernels warmed."""
     from . import systems as S
     from .workload import build_workload
@@ -341,7 +341,7 @@ def _cluster_part(cfg: dict, doc: dict, client, out_dir: Path, tag: str, progres
                                       probe_tokens=min(longest, max_pos - 16))
     b = S.make_bench(rt, workers)
     if cfg.get("warmup", True):
-        _warm_up(b, systems, cfg["max_new_tokens"])
+        warm_up_systems(b, systems, cfg["max_new_tokens"])
     log(f"cluster of {len(workers)} workers ready; calibrated and warmed up in {time.time() - t0:.1f}s")
     per_point = sum(len(systems) - (p == "warm" and "text" in systems) for p in phases)
     n_steps = cfg["reps"] * per_point * ((len(contexts) if 1 in exps else 0)

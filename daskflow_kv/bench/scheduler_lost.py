@@ -29,7 +29,7 @@ from ..flow.executor import run_state_mode
 from ..flow.prompts import prompt_tokens
 from ..state.blocks import common_prefix_len
 from . import cluster_process
-from .chaos import _run, _tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, doc_sequence, documents
 
 SALT = "scheduler-lost"  # the same prompts on both clusters: the store's keys match
@@ -95,8 +95,8 @@ def run_scheduler_lost(store: str, model: str = "tiny-llama", workflows: int = 8
                 return
             t = time.time()
             try:
-                res = _run(rt, wf, "state")
-                done[i] = {"tokens": _tokens(res), "level0": _level0(res, contexts[i][0]),
+                res = run_flow(rt, wf, "state")
+                done[i] = {"tokens": agent_tokens(res), "level0": _level0(res, contexts[i][0]),
                            "latency_s": time.time() - t}
             except Exception as e:  # noqa: BLE001 -- the call in flight at the kill
                 in_flight[i] = {"error": type(e).__name__, "message": str(e)[:300], "at": time.time(),
@@ -137,11 +137,11 @@ def run_scheduler_lost(store: str, model: str = "tiny-llama", workflows: int = 8
                 res = run_state_mode(compile_workflow(wf, rt2.tokenizer, rt2.facts.max_positions, rt2.block_size), rt2)
                 computed, from_store, length = _level0(res, contexts[i][0])
                 held = stored_prefix(contexts[i][1], [contexts[j][1] for j in flushed], rt2.block_size)
-                resumed[i] = {"tokens": _tokens(res), "latency_s": time.time() - t, "context": length,
+                resumed[i] = {"tokens": agent_tokens(res), "latency_s": time.time() - t, "context": length,
                               "stored": held, "computed": computed, "from_store": from_store,
                               # what it prefilled although the store held it (the target: 0)
                               "prefilled_stored": max(0, computed - (length - held))}
-            ref = {i: _tokens(_run(rt2, wf, "text")) for i, wf in enumerate(flows)}
+            ref = {i: agent_tokens(run_flow(rt2, wf, "text")) for i, wf in enumerate(flows)}
     finally:
         cluster_process.end(proc)
     finished = {**done, **resumed}

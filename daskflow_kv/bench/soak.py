@@ -22,8 +22,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from .. import dask_internals as di
 from ..keys import PLUGIN_NAME
-from .chaos import _run, _tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, doc_sequence, documents
 
 STALL_S = 20.0  # no workflow finished for this long: the admission state is recorded
@@ -59,8 +60,8 @@ def _scheduler_gauges(dask_scheduler) -> dict:
     from daskflow_kv.keys import PLUGIN_NAME
 
     p = dask_scheduler.plugins[PLUGIN_NAME]
-    spans = dask_scheduler.extensions["spans"].spans.values()
-    return {"dask_spans": len(spans), "dask_span_groups": sum(len(sp.groups) for sp in spans),"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
+    spans, span_groups = di.span_history_size(dask_scheduler)
+    return {"dask_spans": spans, "dask_span_groups": span_groups,"scheduler_rss": psutil.Process().memory_info().rss, "tasks": len(dask_scheduler.tasks),
             "catalog_blocks": len(p.catalog.blocks), "catalog_states": len(p.catalog.states),
             "events": len(p.event_log.events()), "decisions": len(p.event_log.decisions()),
             "sessions": len(p.tenants), "leases": p.leases.held(), "timeline_workflows": p.timeline.held()}
@@ -163,7 +164,7 @@ def run_soak(cluster, workers: int, cfg: SoakConfig, store: str | None = None, l
     salt = f"soak-{rng.randrange(1 << 30)}"
     pool = [build(Arrival(i, 0.0, 0, docs[i]), texts[docs[i]], salt, cfg.max_new) for i in range(cfg.pool)]
     log(f"soak: text replay of the {cfg.pool} pool workflows (the reference)")
-    ref = [_tokens(_run(rt, wf, "text")) for wf in pool]
+    ref = [agent_tokens(run_flow(rt, wf, "text")) for wf in pool]
     one = max(sum(len(t) for t in r.values()) for r in ref) + 4 * cfg.context  # one workflow's KV, generously
     # Room for the workflows in flight (spread over the workers), not for everything the cache
     # would keep: the budget binds (evictions) without the stream living on preemptions. A
@@ -187,7 +188,7 @@ def run_soak(cluster, workers: int, cfg: SoakConfig, store: str | None = None, l
             i = r.randrange(cfg.pool)
             start = time.time()
             try:
-                agree = _tokens(_run(runtimes[c], pool[i], "state")) == ref[i]
+                agree = agent_tokens(run_flow(runtimes[c], pool[i], "state")) == ref[i]
                 rec = {"pool": i, "client": c, "latency_s": time.time() - start, "agree": agree}
             except Exception as e:  # noqa: BLE001 -- recorded: a lost workflow
                 rec = {"pool": i, "client": c, "latency_s": time.time() - start,

@@ -144,7 +144,7 @@ def _busy(spans: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
     return {w: busy_seconds(v) for w, v in spans.items()}
 
 
-def _first_ready(start: float, per_worker: list[dict]) -> float | None:
+def first_ready(start: float, per_worker: list[dict]) -> float | None:
     """When the first copy of the prefix existed: the start if a worker already held it."""
     times = [start if o.get("prefix_tokens_computed", 1) == 0 else o["prefix_ready_at"] for o in per_worker]
     return min(times) if times else None
@@ -203,7 +203,7 @@ def run_hf(b: Bench, wl: Workload) -> SystemRun:
     compute = _busy(spans)
     agents.sort(key=lambda a: a.index)
     return SystemRun("hf", t0, wall, agents, compute, shared, tokens, kv_bytes_copied=copied, kv_accounted_bytes=kv,
-                     shared_ready_at=_first_ready(t0, outs))
+                     shared_ready_at=first_ready(t0, outs))
 
 
 def submit_local(b: Bench, prefix: list[int], suffixes: list[list[int]], max_new: int) -> list[tuple]:
@@ -260,7 +260,7 @@ def run_local(b: Bench, wl: Workload) -> SystemRun:
     agents.sort(key=lambda a: a.index)
     return SystemRun("local", t0, wall, agents, _busy(spans), shared, tokens,
                      kv_bytes_copied=b.rt.facts.bytes_per_token * len(wl.prefix) * len(outs), kv_accounted_bytes=kv,
-                     shared_ready_at=_first_ready(t0, outs), batched_branches=max(len(o["branches"]) for o in outs))
+                     shared_ready_at=first_ready(t0, outs), batched_branches=max(len(o["branches"]) for o in outs))
 
 
 def run_dkv(b: Bench, wl: Workload, policy: str = "auto", name: str = "dkv") -> SystemRun:

@@ -28,7 +28,7 @@ from ..runtime import tasks
 
 
 
-def _worker_address() -> str:
+def address_or_local() -> str:
     try:
         from distributed import get_worker
 
@@ -123,7 +123,7 @@ def hf_recipe(spec: tasks.ModelSpec, prefix: list[int], branches: list[tuple[int
         })
         del branch_cache
     return {
-        "worker": _worker_address(), "start": start, "prefix_prefill_s": prefix_done - start,
+        "worker": address_or_local(), "start": start, "prefix_prefill_s": prefix_done - start,
         "prefix_ready_at": prefix_done, "prefix_tokens_computed": computed,
         "prefix_bytes": prefix_bytes, "peak_kv_bytes": prefix_bytes + peak_copy, "copy_s": copy_s,
         "branches": out, "stop": time.time(),
@@ -142,7 +142,7 @@ def malloc_trim() -> bool:
         return False
 
 
-def _kv_bytes(dask_worker) -> int:
+def held_kv_bytes(dask_worker) -> int:
     """KV tensor bytes the worker holds in Dask's memory: every block, replica and prefill
     output, each storage counted once (a block cut from an output shares its tensor)."""
     seen, total = set(), 0
@@ -184,7 +184,7 @@ def start_sampler(dask_worker=None, interval: float = 0.01) -> int:
     malloc_trim()
     proc = psutil.Process()
     state = {"start_rss": proc.memory_info().rss, "peak_rss": 0, "peak_kv": 0, "start_kv": 0, "samples": 0}
-    state["start_kv"] = _kv_bytes(dask_worker) if dask_worker is not None else 0
+    state["start_kv"] = held_kv_bytes(dask_worker) if dask_worker is not None else 0
     stop = threading.Event()
 
     def loop():
@@ -194,7 +194,7 @@ def start_sampler(dask_worker=None, interval: float = 0.01) -> int:
             # walking the worker's keys holds the GIL (~0.3 ms for 60 keys): every 5th tick
             # only, so the sampler barely slows the model thread of the system that holds KV in Dask
             if dask_worker is not None and tick % 5 == 0:
-                state["peak_kv"] = max(state["peak_kv"], _kv_bytes(dask_worker))
+                state["peak_kv"] = max(state["peak_kv"], held_kv_bytes(dask_worker))
             state["samples"] += 1
             tick += 1
             stop.wait(interval)
@@ -215,7 +215,7 @@ def stop_sampler(dask_worker=None) -> dict:
     _SAMPLER["thread"].join(timeout=2)
     state = dict(_SAMPLER["state"])
     if dask_worker is not None:
-        state["peak_kv"] = max(state["peak_kv"], _kv_bytes(dask_worker))
+        state["peak_kv"] = max(state["peak_kv"], held_kv_bytes(dask_worker))
     _SAMPLER.clear()
     return state
 

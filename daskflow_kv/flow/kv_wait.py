@@ -54,7 +54,7 @@ class KVWait:
     def begin(self, conversation: str, states: dict, tool: Tool, started_at: float, note) -> WaitDecision:
         """``states[conversation]`` waits on ``tool`` (submitted at ``started_at``): decide and act."""
         state = states[conversation]
-        d = decide_wait(self._facts(state, tool), self.forced)
+        d = decide_wait(self.wait_facts(state, tool), self.forced)
         if d.action in ("spill", "drop"):
             if d.action == "spill":
                 self.rt.tier.write_state(state)
@@ -65,7 +65,7 @@ class KVWait:
         note(f"{conversation} waits on {tool.name}: {explain_wait(d)}")
         return d
 
-    def _facts(self, state, tool: Tool) -> WaitFacts:
+    def wait_facts(self, state, tool: Tool) -> WaitFacts:
         view = self.rt.view()
         worker = state.state.worker
         if worker is None and state.futures:  # made without a prefill (all cached): where its last block is

@@ -107,7 +107,7 @@ class WorkflowSpec:
         _as_workflow_error(validation.instance, f"{who} sampling", sampling, SamplingParams)
         if follows is not None:
             _as_workflow_error(validation.instance, f"{who} follows", follows, str)
-        reads = _names(who, "reads", reads)
+        reads = name_tuple(who, "reads", reads)
         self.agents[name] = Agent(name, instructions, reads, role, max_new_tokens, sampling, policy, merge, follows)
         return name
 
@@ -131,7 +131,7 @@ class WorkflowSpec:
                 _as_workflow_error(validation.instance, f"{who} resource name", r, str)
                 _as_workflow_error(validation.number, f"{who} resources[{r!r}]", amount, 0, 1 << 20)
             resources = dict(resources)
-        reads, after = _names(who, "reads", reads), _names(who, "after", after)
+        reads, after = name_tuple(who, "reads", reads), name_tuple(who, "after", after)
         self.tools[name] = Tool(name, fn, reads, tuple(args), after, resources, retries, render, kind, title)
         return name
 
@@ -142,7 +142,7 @@ class WorkflowSpec:
             raise WorkflowError(f"name {name!r} is empty or already used in workflow {self.name!r}")
 
 
-def _names(who: str, what: str, names) -> tuple[str, ...]:
+def name_tuple(who: str, what: str, names) -> tuple[str, ...]:
     """A name or a sequence of names, as a tuple of strings."""
     names = (names,) if isinstance(names, str) else tuple(names)
     for r in names:

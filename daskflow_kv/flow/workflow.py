@@ -16,7 +16,7 @@ from . import html_repr, progress as progress_bar, steps as steps_
 from .compiler import CompiledWorkflow, agent_levels, compile_workflow
 from .executor import run_workflow
 from .operators import Corpus, MemoryKey, bm25_search, memory_read, memory_write
-from .spec import Agent, Context, Tool, WorkflowSpec, _names
+from .spec import Agent, Context, Tool, WorkflowSpec, name_tuple
 from .steps import Step, ToolCall
 
 __all__ = ["Agent", "Context", "Step", "Tool", "ToolCall", "Workflow", "tokenizer_and_limit"]
@@ -69,7 +69,7 @@ class Workflow(WorkflowSpec):
         """Add a ``steps.Step``: a plan that adds agents and tools as the run reaches it."""
         validation.instance("step", step, Step)
         self._new_name(step.name)
-        _names(f"step {step.name!r}:", "reads", step.reads)
+        name_tuple(f"step {step.name!r}:", "reads", step.reads)
         self.steps[step.name] = step
         return step.name
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Hashable
 
-from .. import validation
+from .. import plain_checks
 
 RENEW_S = 10.0  # how often a run inside renews its place; three missed renewals lose it
 CALM_S = 10.0  # time without a deadlock after which a backed-off gate lets in one run more
@@ -45,7 +45,7 @@ def gate_slots(per_worker: float | None, workers: int) -> int | None:
 
 def valid_per_worker(value, name: str = "workflow gate (running workflows per worker)") -> float | None:
     """``value`` as running workflows per worker, or None (no limit); a one-line error otherwise."""
-    return validation.optional(name, value, validation.number, above=0)
+    return plain_checks.optional(name, value, plain_checks.number, above=0)
 
 
 class GateLine:

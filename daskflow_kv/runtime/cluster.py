@@ -23,6 +23,7 @@ import dask
 from dask.system import CPU_COUNT
 
 from .. import config, validation
+from .. import dask_internals as di
 from .main_guard import check_main_guard
 
 from .preloads import (  # noqa: F401  -- part of this module's interface
@@ -31,7 +32,7 @@ from .preloads import (  # noqa: F401  -- part of this module's interface
     NANNY_PRELOAD,
     SCHEDULER_PRELOAD,
     WORKER_PRELOAD,
-    _preload_argv,
+    preload_argv,
     comm_protocol,
     kv_dask_config,
     scheduler_options,
@@ -129,7 +130,7 @@ def connect(address: str, timeout: str | float = "10s", security=None, **client_
 
 def scheduler_command(kv_budget=None, port: int = 8786) -> str:
     """The shell command that starts a KV-aware scheduler by hand (or in its own batch job)."""
-    args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *_preload_argv(kv_budget),
+    args = ["dask", "scheduler", "--port", str(port), "--preload", SCHEDULER_PRELOAD, *preload_argv(kv_budget),
             "--preload", DASHBOARD_PRELOAD]
     return " ".join(shlex.quote(a) for a in args)
 
@@ -151,7 +152,7 @@ def kv_runtime(target=None, security=None, **runtime_kwargs):
     else:
         cluster = local_cluster(security=security)
         client = Client(cluster, security=security)
-        client._daskflow_owned_cluster = cluster
+        di.attach_owned_cluster(client, cluster)
     return KVRuntime(client, **runtime_kwargs)
 
 
@@ -170,7 +171,7 @@ def drop_kv(runtime) -> None:
 def close_runtime(runtime, cluster=None) -> None:
     """Close a runtime's client, then ``cluster`` (or the one ``kv_runtime(None)`` started for
     it), dropping the KV blocks first so that the workers leave holding nothing."""
-    cluster = cluster if cluster is not None else getattr(runtime.client, "_daskflow_owned_cluster", None)
+    cluster = cluster if cluster is not None else di.owned_cluster(runtime.client)
     with contextlib.suppress(Exception):  # blocks queued for the persistent store reach it first
         runtime.flush_store()
     if cluster is not None:

@@ -47,11 +47,11 @@ def worker_environ() -> dict:
     return environ
 
 
-def _preload_argv(kv_budget) -> list[str]:
+def preload_argv(kv_budget) -> list[str]:
     return ["--kv-budget", str(kv_budget)] if kv_budget is not None else []  # 0 too: keep nothing cached
 
 
 def scheduler_options(kv_budget=None) -> dict:
     """Scheduler keyword arguments that load the KV plugin as a preload."""
     # One argv list per preload, or the second preload is silently dropped.
-    return {"preload": [SCHEDULER_PRELOAD, DASHBOARD_PRELOAD], "preload_argv": [_preload_argv(kv_budget), []]}
+    return {"preload": [SCHEDULER_PRELOAD, DASHBOARD_PRELOAD], "preload_argv": [preload_argv(kv_budget), []]}

@@ -35,6 +35,7 @@ import dask
 from dask.utils import format_bytes, parse_bytes
 
 from .. import config
+from .. import dask_internals as di
 from .preloads import NANNY_PRELOAD, WORKER_PRELOAD, comm_protocol, kv_dask_config, scheduler_options
 
 JOB_NAME = "daskflow-kv-worker"
@@ -136,18 +137,7 @@ def _cluster_class():
     """
     global _CLUSTER_CLASS
     if _CLUSTER_CLASS is None:
-        from distributed.core import Status
-
-        class KVSLURMCluster(_require_jobqueue().SLURMCluster):
-            async def _correct_state_internal(self) -> None:
-                dropped = set(self.workers) - set(self.worker_spec)
-                if dropped and self.scheduler.status == Status.running:
-                    names = job_workers(dropped, (w["name"] for w in self.scheduler_info["workers"].values()))
-                    if names:
-                        await self.scheduler_comm.retire_workers(names=names)
-                await super()._correct_state_internal()
-
-        _CLUSTER_CLASS = KVSLURMCluster
+        _CLUSTER_CLASS = di.retiring_by_name(_require_jobqueue().SLURMCluster, job_workers, "KVSLURMCluster")
     return _CLUSTER_CLASS
 
 

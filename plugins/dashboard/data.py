@@ -31,7 +31,7 @@ LIFECYCLE_OPS = ("materialize", "fork", "resume", "extend", "merge", "recompute"
 # ==========================================================================================
 # data: one snapshot of the KV plugin, shaped for the page
 # ==========================================================================================
-def _short(state_or_key: str, n: int = 6) -> str:
+def short_id(state_or_key: str, n: int = 6) -> str:
     """kvstate-resume-4640a3ba9083 -> 4640a3 ; kvblock-32033a67... -> 32033a."""
     s = str(state_or_key or "")
     return s.rsplit("-", 1)[-1][:n] if s else ""

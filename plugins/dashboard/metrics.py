@@ -376,9 +376,9 @@ def prometheus_handler_class():
     """
     if not prometheus_available():
         return None
-    from distributed.http.scheduler.prometheus.core import PrometheusHandler
+    from daskflow_kv import dask_internals as di
 
-    class KVPrometheusHandler(PrometheusHandler):
+    class KVPrometheusHandler(di.prometheus_handler_base()):
         def get(self):
             token = _current_scheduler.set(self.server)
             try:

@@ -56,6 +56,7 @@ from tornado import web
 from tornado.routing import PathMatches
 
 from daskflow_kv import config
+from daskflow_kv import dask_internals as di
 
 from . import access, plots
 from . import metrics as kv_metrics
@@ -166,15 +167,12 @@ def _http_prefix(scheduler) -> str:
 def _add_to_navbar(scheduler) -> bool:
     """Add KV to the Bokeh dashboard's navigation bar and "More..." menu (when it runs).
 
-    Dask builds both from ``distributed.dashboard.scheduler.template_variables(scheduler)``,
+    Dask builds both from its template variables (``dask_internals.dashboard_template_variables``),
     memoized per scheduler; its lists are shared with the pages' templates, so an entry
     appended here shows on every dashboard page rendered afterwards.
     """
-    try:
-        from distributed.dashboard.scheduler import template_variables
-
-        tv = template_variables(scheduler)
-    except Exception:  # noqa: BLE001 -- no Bokeh dashboard: nothing to add to
+    tv = di.dashboard_template_variables(scheduler)
+    if tv is None:  # no Bokeh dashboard: nothing to add to
         return False
     pages, plots = tv.get("pages"), tv.get("plots")
     if isinstance(pages, list) and PAGE not in pages:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from distributed.http.utils import RequestHandler
 
+from daskflow_kv import dask_internals as di
+
 from . import access
 from .metrics import kv_plugin
 from .render import PAGE
@@ -17,13 +19,9 @@ from .session import COOKIE, BrowserSession, Logins
 
 def nav(scheduler) -> list[tuple[str, str]]:
     """Dask's navigation bar entries (when its Bokeh dashboard runs), then Info and KV."""
-    pages = []
-    try:
-        from distributed.dashboard.scheduler import template_variables
-
-        pages = [p for p in template_variables(scheduler)["pages"] if p != PAGE]
-    except Exception:  # noqa: BLE001 -- no Bokeh: Dask serves only the HTML info pages
-        pages = ["info"]
+    tv = di.dashboard_template_variables(scheduler)
+    # no Bokeh: Dask serves only the HTML info pages
+    pages = [p for p in tv["pages"] if p != PAGE] if tv is not None else ["info"]
     return [(p, p.title()) for p in pages] + [(PAGE, "KV")]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .data import MAX_STATES, NODE_H, NODE_W, _short
+from .data import MAX_STATES, NODE_H, NODE_W, short_id
 from .format import fmt_bytes, fmt_int
 from .metrics import COUNTERS, GATE_FAMILIES, PREFIX, metric_name
 
@@ -93,7 +93,7 @@ def _state_node(n: dict, focus: str | None) -> dict:
     gone = sum(v for k, v in bs.items() if k in GONE)
     blocks = ", ".join(f"{k} {v}" for k, v in sorted(bs.items()))
     return {
-        "kind": "state", "id": n["id"], "short": _short(n["id"]), "op": op, "released": released,
+        "kind": "state", "id": n["id"], "short": short_id(n["id"]), "op": op, "released": released,
         "x": n["x"], "y": n["y"], "w": NODE_W, "h": NODE_H,
         "fill": "#f4f4f5" if released else "#ffffff",
         "stroke": "#a1a1aa" if released else color,
@@ -159,18 +159,18 @@ def _ruler(s: dict) -> list[dict]:
 
 def _block(b: dict, sid: str, names: dict) -> dict:
     tier = b.get("tier") or ""
-    return dict(b, short=_short(b["key"], 10), chip=chip(b["status"], STATUS_COLORS.get(b["status"], OTHER)),
+    return dict(b, short=short_id(b["key"], 10), chip=chip(b["status"], STATUS_COLORS.get(b["status"], OTHER)),
                 tier_chip=chip((tier or "–") + (" +store" if b.get("persisted") and tier != "store" else ""),
                                TIER_COLORS.get(tier, OTHER)),
                 held_by=", ".join(sorted(names.get(w, w) for w in b["workers"])) or "–",
-                made_by=_short(b["producer"]) if b["producer"] != sid else "this")
+                made_by=short_id(b["producer"]) if b["producer"] != sid else "this")
 
 
 def _state(s: dict, newest: bool, names: dict) -> dict:
     sid = s["state_id"]
     return dict(
-        s, id=sid, short=_short(sid), color=OP_COLORS.get(s["op"], "#475569"),
-        parents=[(p, _short(p)) for p in s["parents"]],
+        s, id=sid, short=short_id(sid), color=OP_COLORS.get(s["op"], "#475569"),
+        parents=[(p, short_id(p)) for p in s["parents"]],
         reused_computed="–" if s.get("tokens_reused") is None
         else f'{fmt_int(s["tokens_reused"])} / {fmt_int(s["tokens_computed"])}',
         ruler=_ruler(s),
@@ -236,7 +236,7 @@ def _event_detail(e: dict, op: str, n: int, names: dict) -> str:
         if e.get("tokens_reused") is not None:
             parts.append(f'reused {fmt_int(e.get("tokens_reused"))}, computed {fmt_int(e.get("tokens_computed"))}')
         if e.get("parents"):
-            parts.append("from " + ", ".join(_short(p) for p in e["parents"]))
+            parts.append("from " + ", ".join(short_id(p) for p in e["parents"]))
         return " · ".join(parts)
     return ", ".join(f"{k}={v}" for k, v in e.items() if k not in EVENT_DETAIL_SKIP and v not in (None, "", []))
 
@@ -252,7 +252,7 @@ def events(d: dict) -> list[dict]:
         rows.append({
             "time": e.get("time"),
             "chip": chip(f"{op} ×{n}" if n > 1 else op, OP_COLORS.get(op, OTHER)),
-            "what": str(what), "what_short": f"{_short(what, 10)} +{n - 1}" if n > 1 else _short(what, 10),
+            "what": str(what), "what_short": f"{short_id(what, 10)} +{n - 1}" if n > 1 else short_id(what, 10),
             "worker": names.get(worker, str(worker)),
             "detail": _event_detail(e, op, n, names),
         })
