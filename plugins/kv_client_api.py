@@ -151,14 +151,18 @@ class ClientHandlers:
 
     # -- reuse --------------------------------------------------------------------------------------
     def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
-                      flow: str | None = None) -> dict:
+                      flow: str | None = None, view: bool = False) -> dict:
         """Longest cached prefix of the caller's request, acquired for its client before this returns.
 
         ``keys``: the request's own chain keys (full blocks), ``tokens``: its tokens (for a
         cached block that continues them only in part). Answers with how many leading tokens
-        are covered and the blocks to read: keys, spans, sizes, where they are.
+        are covered and the blocks to read: keys, spans, sizes, where they are. ``view``: the
+        answer carries the planner's snapshot too (``snapshot``, as ``kv_snapshot`` answers):
+        a plan reads both, and one round trip is half the scheduler's messages of two.
         """
         s = self._session(session)
+        if type(view) is not bool:
+            raise ValueError(f"view must be True or False, got {shown(view)}")
         keys = _strings("keys", keys)
         tokens = _ints("tokens", tokens, 0, MAX_TOKEN_ID - 1, most=MAX_TOKENS)
         if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -186,7 +190,10 @@ class ClientHandlers:
                 "where": self._locality.where(ts),
                 "state": states.get(b.key, ts.state),
             })
-        return {"tokens": covered, "blocks": blocks}
+        answer = {"tokens": covered, "blocks": blocks}
+        if view:
+            answer["snapshot"] = self._snapshot(s)
+        return answer
 
     def handle_acquire(self, session: str, keys: list[str], flow: str | None = None) -> dict[str, str]:
         """Take a reference to the blocks of content addresses the caller computed (its own
@@ -217,7 +224,9 @@ class ClientHandlers:
         ``links``: ``[src, dst, bytes_per_s, latency_s or None]`` per pair with a bandwidth;
         ``bandwidth`` / ``latency`` say the same keyed by "src->dst" (older clients read those).
         """
-        s = self._session(session)
+        return self._snapshot(self._session(session))
+
+    def _snapshot(self, s: Session) -> dict:
         sch = self._scheduler
         kv_bytes = self._usage.bytes_by_worker()
         return {

@@ -128,12 +128,14 @@ class PluginClient:
             raise scheduler_lost(self.client, f"{type(e).__name__}: {e}") from e
 
     # -- blocks --------------------------------------------------------------------------------
-    def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:
+    def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int,
+               view: bool = False) -> tuple[PrefixMatch, dict | None]:
         """The longest cached prefix of ``tokens`` (asked by its own chain ``keys``); the plugin
-        acquires its blocks for this client before it answers."""
+        acquires its blocks for this client before it answers. ``view``: the planner's snapshot
+        comes in the same answer (``kv_snapshot``'s, raw: ``Planner.view`` reads it), else None."""
         ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size,
-                        **_run_kw())
-        return PrefixMatch.from_answer(ans)
+                        **_run_kw(), **({"view": True} if view else {}))
+        return PrefixMatch.from_answer(ans), ans.get("snapshot") if view else None
 
     def acquire(self, keys: Iterable[str]) -> dict[str, str]:
         """Content addresses the scheduler knows in this namespace -> the Dask key now acquired
@@ -161,9 +163,11 @@ class PluginClient:
         return self.admin_call("kv_drop")
 
     # -- what the planner sees ---------------------------------------------------------------------
-    def snapshot(self, bandwidth_override: float | None = None,
-                 prefill_override: PrefillProfile | None = None) -> ClusterView:
-        return ClusterView.from_snapshot(self.call("kv_snapshot"), bandwidth_override, prefill_override)
+    def snapshot(self, bandwidth_override: float | None = None, prefill_override: PrefillProfile | None = None,
+                 answer: dict | None = None) -> ClusterView:
+        """The planner's view: ``answer`` (a snapshot that came with a lookup), else a ``kv_snapshot`` call."""
+        return ClusterView.from_snapshot(self.call("kv_snapshot") if answer is None else answer, bandwidth_override,
+                                         prefill_override)
 
     def prefill_profiles(self) -> dict[str, dict]:
         """The fitted prefill profile of every worker that reported a prefill, as the plugin sends them."""
