@@ -23,6 +23,14 @@ def rpc_calls(rt) -> Counter:
     return Counter(rt.counters().get("rpc_calls", {}))
 
 
+def rpc_spent(rt, since: Counter, n: int) -> dict[str, float]:
+    """RPCs by name per workflow since the count ``since`` (``rpc_calls``), over ``n`` workflows;
+    this read and the one that took ``since`` left out."""
+    spent = rpc_calls(rt) - since
+    spent[READ_CALL] -= 1  # the read that took ``since`` was counted after it
+    return {k: v / max(1, n) for k, v in sorted((+spent).items())}
+
+
 def scheduler_transitions(client) -> int:
     return client.run_on_scheduler(_transition_counter)
 
@@ -42,11 +50,8 @@ def per_workflow(rt, pool: list, mode: str, ref: list | None = None) -> dict:
     transitions per workflow, their RPC total, and whether every output equals ``ref``."""
     calls, moves = rpc_calls(rt), scheduler_transitions(rt.client)
     outs = [_tokens(_run(rt, wf, mode)) for wf in pool]
-    spent = rpc_calls(rt) - calls
-    spent[READ_CALL] -= 1  # the second read counted the first
-    spent = +spent  # drop what did not move
     n = len(pool)
-    by_kind = {k: v / n for k, v in sorted(spent.items())}
+    by_kind = rpc_spent(rt, calls, n)
     return {"mode": mode, "workflows": n, "rpc_per_workflow": by_kind, "rpc_total": sum(by_kind.values()),
             "transitions_per_workflow": (scheduler_transitions(rt.client) - moves) / n,
             "exact": ref is None or outs == ref, "outputs": outs}
