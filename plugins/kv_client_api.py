@@ -314,16 +314,22 @@ class ClientHandlers:
                 raise ValueError(f"state {sid}: {name} must be a short string")
         return {**meta, "block_keys": keys, "parents": _strings("parents", meta.get("parents", []))}
 
-    def handle_release_states(self, session: str, state_ids: list[str], reuse_expected: bool = False) -> None:
+    async def handle_release_states(self, session: str, state_ids: list[str], reuse_expected: bool = False,
+                                    metas: list[dict] | None = None) -> None:
         """Release the caller's states, in one call (a level's branches and continuations: one
         RPC, not one each). ``reuse_expected``: a later step of the caller's workflow reads
         their blocks again (evicted last for ``scheduler.reuse-hint``). One state that is not
-        the caller's refuses the whole call, before any is released."""
+        the caller's refuses the whole call, before anything is registered or released.
+
+        ``metas``: states to register first, as ``kv_register_states`` does (every check of its,
+        all or none): the forks a client made since its last call ride on the release that
+        follows them (a fork, then its parent's release: one round trip, not two)."""
         s = self._session(session)
-        states = [st for st in map(self._catalog.states.get, _strings("state_ids", state_ids)) if st is not None]
-        for st in states:
-            if not s.sees(st.namespace):
-                raise AccessDenied(f"state {st.state_id} is not one of namespace {s.namespace!r}'s")
+        ids = _strings("state_ids", state_ids)
+        self._own_states(s, ids)
+        if metas is not None:
+            await self.handle_register_states(session, metas)
+        states = self._own_states(s, ids)  # those just registered too
         for st in states:
             if reuse_expected is True:
                 self._leases.plan([k for k in st.block_keys if k in self._catalog.blocks], time.time())
@@ -332,6 +338,14 @@ class ClientHandlers:
         if states:
             self._budget.note_change()
             self._budget.note_progress()
+
+    def _own_states(self, s: Session, ids: list[str]) -> list:
+        """The registered states of ``ids``, or AccessDenied if any is another namespace's."""
+        states = [st for st in map(self._catalog.states.get, ids) if st is not None]
+        for st in states:
+            if not s.sees(st.namespace):
+                raise AccessDenied(f"state {st.state_id} is not one of namespace {s.namespace!r}'s")
+        return states
 
     # -- views ----------------------------------------------------------------------------------
     def handle_catalog(self, session: str) -> list[dict]:
