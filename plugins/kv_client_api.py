@@ -151,18 +151,20 @@ class ClientHandlers:
 
     # -- reuse --------------------------------------------------------------------------------------
     def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
-                      flow: str | None = None, view: bool = False) -> dict:
+                      flow: str | None = None, view: bool | str = False) -> dict:
         """Longest cached prefix of the caller's request, acquired for its client before this returns.
 
         ``keys``: the request's own chain keys (full blocks), ``tokens``: its tokens (for a
         cached block that continues them only in part). Answers with how many leading tokens
         are covered and the blocks to read: keys, spans, sizes, where they are. ``view``: the
         answer carries the planner's snapshot too (``snapshot``, as ``kv_snapshot`` answers):
-        a plan reads both, and one round trip is half the scheduler's messages of two.
+        a plan reads both, and one round trip is half the scheduler's messages of two;
+        ``"uncovered"``: only when the blocks do not cover every token (a prefill follows,
+        planned on it; a request all cached needs no plan, nor the snapshot's cost).
         """
         s = self._session(session)
-        if type(view) is not bool:
-            raise ValueError(f"view must be True or False, got {shown(view)}")
+        if not (type(view) is bool or view == "uncovered"):
+            raise ValueError(f"view must be True, False or 'uncovered', got {shown(view)}")
         keys = _strings("keys", keys)
         tokens = _ints("tokens", tokens, 0, MAX_TOKEN_ID - 1, most=MAX_TOKENS)
         if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -191,7 +193,7 @@ class ClientHandlers:
                 "state": states.get(b.key, ts.state),
             })
         answer = {"tokens": covered, "blocks": blocks}
-        if view:
+        if view is True or (view == "uncovered" and covered < len(tokens)):
             answer["snapshot"] = self._snapshot(s)
         return answer
 

@@ -75,3 +75,29 @@ def test_control_plane_budget_per_workflow(workers):
     assert state["rpc_total"] <= RPC_TOTAL_BUDGET
     assert state["transitions_per_workflow"] <= TRANSITIONS_BUDGET
     assert text["transitions_per_workflow"] <= 20  # the baseline itself: one task an agent, and its result
+
+
+def test_prefill_profiles_are_fitted_once_per_new_sample(monkeypatch):
+    """Every planning snapshot reads the fitted profiles: a worker is refitted only after a
+    new sample of its own (refitting every worker each time grew the cost with workers)."""
+    from types import SimpleNamespace
+
+    from daskflow_kv.plugins import kv_profiles
+    from daskflow_kv.policy.cost_model import PrefillSample
+
+    fits = []
+    real_fit = kv_profiles.fit_prefill_profile
+    monkeypatch.setattr(kv_profiles, "fit_prefill_profile", lambda s: fits.append(len(s)) or real_fit(s))
+    book = kv_profiles.ProfileBook(SimpleNamespace(workers={"w1": None, "w2": None}), 8)
+    for w in ("w1", "w2"):
+        for n in (64, 128, 256):
+            book.add_sample(w, PrefillSample(n, 0, n / 1000))
+    first = book.prefill_profiles()
+    assert book.prefill_profiles() == first and len(fits) == 2  # the second read fits nothing
+    book.add_sample("w1", PrefillSample(512, 0, 0.6))
+    again = book.prefill_profiles()
+    assert len(fits) == 3 and again["w1"]["samples"] == 4 and again["w2"] == first["w2"]
+    again["w2"]["a"] = -1.0  # an answer is the caller's: the kept fit is not changed through it
+    assert book.prefill_profiles()["w2"] == first["w2"]
+    book.forget_worker("w1")
+    assert set(book.prefill_profiles()) == {"w2"}

@@ -130,6 +130,7 @@ BIG = 2 ** 64 - 1  # the largest integer an RPC carries at all (msgpack: a clien
     ("kv_lookup", {"root": "r", "keys": [], "tokens": [1], "block_size": BIG}, "block_size"),
     ("kv_lookup", {"root": "r" * 10 ** 5, "keys": [], "tokens": [1], "block_size": 16}, "root"),
     ("kv_lookup", {"root": "r", "keys": [], "tokens": [1], "block_size": 16, "view": "yes"}, "view"),
+    ("kv_lookup", {"root": "r", "keys": [], "tokens": [1], "block_size": 16, "view": 1}, "view"),
     ("kv_acquire", {"keys": ["k" * 10 ** 5]}, "keys"),
     ("kv_record_bandwidth", {"src": "a", "dst": "b", "bandwidth": BIG}, "bandwidth"),
     ("kv_record_bandwidth", {"src": "a", "dst": "b", "bandwidth": 1e9, "latency": float("inf")}, "latency"),
@@ -198,4 +199,6 @@ def test_a_lookups_snapshot_is_the_callers_own_view(cluster, alice, bob, record)
     assert all(link[:2] != [b, a] for link in ans["snapshot"]["links"])
     assert ans["snapshot"]["links"] == own["links"] and set(ans["snapshot"]["workers"]) == set(own["workers"])
     mine = alice.prefixes.find(list(record.tokens), view=True)
-    assert mine.tokens == record.length and any(link[:3] == [b, a, 123e6] for link in mine.snapshot["links"])
+    assert mine.tokens == record.length and mine.snapshot["links"] == alice.plugin.call("kv_snapshot")["links"]
+    assert alice.prefixes.find(list(record.tokens), view="uncovered").snapshot is None  # all cached: no plan
+    assert alice.prefixes.find(list(record.tokens) + [5], view="uncovered").snapshot is not None

@@ -63,7 +63,7 @@ class Materializer:
         """The state of ``tokens`` made by ``op`` from ``parents`` (``detail``: its lineage's)."""
         compat.check_positions(0, len(tokens), 0, self.facts.max_positions)
         sid = new_state_id(op)
-        held = self.prefixes.find(tokens, view=True)  # a prefill is planned on the view: same round trip
+        held = self.prefixes.find(tokens, view="uncovered")  # a prefill is planned on the view: same round trip
         in_memory = held.tokens
         held = self.store_reader.extend(tokens, held, worker, sid)  # a miss in memory may hit the store
         reused = held.tokens

@@ -158,13 +158,14 @@ class PluginClient:
 
     # -- blocks --------------------------------------------------------------------------------
     def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int,
-               view: bool = False) -> tuple[PrefixMatch, dict | None]:
+               view: bool | str = False) -> tuple[PrefixMatch, dict | None]:
         """The longest cached prefix of ``tokens`` (asked by its own chain ``keys``); the plugin
         acquires its blocks for this client before it answers. ``view``: the planner's snapshot
-        comes in the same answer (``kv_snapshot``'s, raw: ``Planner.view`` reads it), else None."""
+        comes in the same answer (``kv_snapshot``'s, raw: ``Planner.view`` reads it), else None;
+        ``"uncovered"``: only when the blocks leave tokens to prefill."""
         ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size,
-                        **_run_kw(), **({"view": True} if view else {}))
-        return PrefixMatch.from_answer(ans), ans.get("snapshot") if view else None
+                        **_run_kw(), **({"view": view} if view else {}))
+        return PrefixMatch.from_answer(ans), ans.get("snapshot")
 
     def acquire(self, keys: Iterable[str]) -> dict[str, str]:
         """Content addresses the scheduler knows in this namespace -> the Dask key now acquired

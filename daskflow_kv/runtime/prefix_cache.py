@@ -62,9 +62,10 @@ class PrefixCache:
     key_digest: str  # seeds this tenant's chain keys (``state.blocks.keyed_digest``)
     block_size: int  # tokens per block
 
-    def find(self, tokens: Sequence[int], view: bool = False) -> HeldPrefix:
+    def find(self, tokens: Sequence[int], view: bool | str = False) -> HeldPrefix:
         """The longest cached prefix of ``tokens`` in this namespace, asked by its own chain keys.
-        ``view``: the planner's snapshot comes in the same round trip (``HeldPrefix.snapshot``)."""
+        ``view``: the planner's snapshot comes in the same round trip (``HeldPrefix.snapshot``;
+        ``"uncovered"``: only when tokens are left to prefill)."""
         full = aligned_floor(len(tokens), self.block_size)
         keys = [k for k, _, _ in chain_keys(self.key_digest, tokens[:full], self.block_size,
                                             namespace=self.plugin.session.namespace)]
