@@ -27,7 +27,7 @@ RPC_BUDGET = {"kv_lookup": 5.0, "kv_acquire": 5.5, "kv_register_states": 5.5, "k
 # 24 measured at 2 and 4 workers: 31.5 before the lookup carried the snapshot (26.5) and the
 # fork's registration rode on the release after it
 RPC_TOTAL_BUDGET = 25.0
-TRANSITIONS_BUDGET = 85.0  # Dask task transitions per workflow, state mode (77 measured; plain Dask's: 18)
+TRANSITIONS_BUDGET = 90.0  # Dask task transitions per workflow, state mode (76-82 measured, placement varies; plain Dask: 18)
 TEXT_RPCS = {"kv_gate_enter": 1.0, "kv_gate_leave": 1.0}  # plain Dask's calls ask the plugin only for the gate
 
 
