@@ -7,7 +7,8 @@ forward passes cost next to nothing and the control plane is most of the work), 
 that keep ``--concurrency`` workflows in flight each, drawn from a pool of RAG and debate
 workflows over shared documents (``load_stream.build``). Per worker count and mode, over the
 stream: the scheduler process's CPU seconds, this process's (the clients': compile, plan,
-submit, gather), the workers', and the scheduler's task transitions, each per workflow.
+submit, gather), the workers', the scheduler's task transitions and the ``kv_*`` RPCs the plugin
+answered (by name, counted where they enter: ``bench.control_budget``), each per workflow.
 
 * ``state``: daskflow-kv (KV blocks as Dask keys, lookups, plans, the scheduler plugin);
 * ``text``: the same workflows as text, each agent one Dask task with no KV kept: Dask's own
@@ -32,6 +33,7 @@ from daskflow_kv.bench.chaos import agent_tokens, run_flow
 from daskflow_kv.bench.common import RESULTS_DIR, command_line, log, machine_info, write_json
 from daskflow_kv.bench.load_stream import Arrival, build, doc_sequence, documents
 from daskflow_kv.bench import process_load
+from daskflow_kv.bench.control_budget import rpc_calls, rpc_spent
 
 
 def stream(runtimes, pool, ref, mode: str, workflows: int, concurrency: int, seed: int) -> dict:
@@ -83,10 +85,12 @@ def measure(workers: int, args) -> list[dict]:
         agents = statistics.fmean(len(wf.agents) for wf in pool)
         rows = []
         for mode in args.modes:
+            calls = rpc_calls(rt)
             before, t0 = process_load.snapshot(clients[0]), time.perf_counter()
             recs = stream(runtimes, pool, ref, mode, args.workflows, args.concurrency, args.seed)
             wall, load = time.perf_counter() - t0, process_load.delta(before, process_load.snapshot(clients[0]))
             ok = [r for r in recs if "error" not in r]
+            rpcs = rpc_spent(rt, calls, len(ok))  # kv_* RPCs the plugin answered, by name
             n, cpu = len(ok), load["cpu_s"]  # the scheduler's apart: the cluster has a process of its own
             spent = {"scheduler": cpu["scheduler"], "client": cpu["client"], "workers": sum(cpu["workers"].values()),
                      "transitions": load["transitions"]["scheduler"]}
@@ -98,13 +102,14 @@ def measure(workers: int, args) -> list[dict]:
                    "latency_median_s": statistics.median(r["latency_s"] for r in ok) if ok else None,
                    "scheduler_cpu_s_per_workflow": per["scheduler"], "client_cpu_s_per_workflow": per["client"],
                    "workers_cpu_s_per_workflow": per["workers"], "transitions_per_workflow": per["transitions"],
+                   "rpc_per_workflow": rpcs, "rpc_total_per_workflow": sum(rpcs.values()),
                    "scheduler_busy": spent["scheduler"] / wall if wall else None,
                    # one scheduler process can take at most this many such workflows a second
                    "scheduler_bound_workflows_per_s": 1 / per["scheduler"] if per["scheduler"] else None}
             rows.append(row)
             log(f"{workers} workers, {mode}: {n}/{len(recs)} in {wall:.1f} s ({row['workflows_per_s']:.1f}/s), "
                 f"scheduler {1000 * per['scheduler']:.0f} ms, client {1000 * per['client']:.0f} ms, "
-                f"{per['transitions']:.0f} transitions a workflow; scheduler busy {row['scheduler_busy']:.0%}"
+                f"{per['transitions']:.0f} transitions, {sum(rpcs.values()):.1f} kv RPCs a workflow; scheduler busy {row['scheduler_busy']:.0%}"
                 + ("" if row["exact"] else f"; NOT EXACT: {row['wrong']} wrong, {len(recs) - n} failed"))
         for c in clients:
             c.close()

@@ -151,14 +151,20 @@ class ClientHandlers:
 
     # -- reuse --------------------------------------------------------------------------------------
     def handle_lookup(self, session: str, root: str, keys: list[str], tokens: list[int], block_size: int,
-                      flow: str | None = None) -> dict:
+                      flow: str | None = None, view: bool | str = False) -> dict:
         """Longest cached prefix of the caller's request, acquired for its client before this returns.
 
         ``keys``: the request's own chain keys (full blocks), ``tokens``: its tokens (for a
         cached block that continues them only in part). Answers with how many leading tokens
-        are covered and the blocks to read: keys, spans, sizes, where they are.
+        are covered and the blocks to read: keys, spans, sizes, where they are. ``view``: the
+        answer carries the planner's snapshot too (``snapshot``, as ``kv_snapshot`` answers):
+        a plan reads both, and one round trip is half the scheduler's messages of two;
+        ``"uncovered"``: only when the blocks do not cover every token (a prefill follows,
+        planned on it; a request all cached needs no plan, nor the snapshot's cost).
         """
         s = self._session(session)
+        if not (type(view) is bool or view == "uncovered"):
+            raise ValueError(f"view must be True, False or 'uncovered', got {shown(view)}")
         keys = _strings("keys", keys)
         tokens = _ints("tokens", tokens, 0, MAX_TOKEN_ID - 1, most=MAX_TOKENS)
         if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
@@ -186,7 +192,10 @@ class ClientHandlers:
                 "where": self._locality.where(ts),
                 "state": states.get(b.key, ts.state),
             })
-        return {"tokens": covered, "blocks": blocks}
+        answer = {"tokens": covered, "blocks": blocks}
+        if view is True or (view == "uncovered" and covered < len(tokens)):
+            answer["snapshot"] = self._snapshot(s)
+        return answer
 
     def handle_acquire(self, session: str, keys: list[str], flow: str | None = None) -> dict[str, str]:
         """Take a reference to the blocks of content addresses the caller computed (its own
@@ -217,7 +226,9 @@ class ClientHandlers:
         ``links``: ``[src, dst, bytes_per_s, latency_s or None]`` per pair with a bandwidth;
         ``bandwidth`` / ``latency`` say the same keyed by "src->dst" (older clients read those).
         """
-        s = self._session(session)
+        return self._snapshot(self._session(session))
+
+    def _snapshot(self, s: Session) -> dict:
         sch = self._scheduler
         kv_bytes = self._usage.bytes_by_worker()
         return {
@@ -305,16 +316,22 @@ class ClientHandlers:
                 raise ValueError(f"state {sid}: {name} must be a short string")
         return {**meta, "block_keys": keys, "parents": _strings("parents", meta.get("parents", []))}
 
-    def handle_release_states(self, session: str, state_ids: list[str], reuse_expected: bool = False) -> None:
+    async def handle_release_states(self, session: str, state_ids: list[str], reuse_expected: bool = False,
+                                    metas: list[dict] | None = None) -> None:
         """Release the caller's states, in one call (a level's branches and continuations: one
         RPC, not one each). ``reuse_expected``: a later step of the caller's workflow reads
         their blocks again (evicted last for ``scheduler.reuse-hint``). One state that is not
-        the caller's refuses the whole call, before any is released."""
+        the caller's refuses the whole call, before anything is registered or released.
+
+        ``metas``: states to register first, as ``kv_register_states`` does (every check of its,
+        all or none): the forks a client made since its last call ride on the release that
+        follows them (a fork, then its parent's release: one round trip, not two)."""
         s = self._session(session)
-        states = [st for st in map(self._catalog.states.get, _strings("state_ids", state_ids)) if st is not None]
-        for st in states:
-            if not s.sees(st.namespace):
-                raise AccessDenied(f"state {st.state_id} is not one of namespace {s.namespace!r}'s")
+        ids = _strings("state_ids", state_ids)
+        self._own_states(s, ids)
+        if metas is not None:
+            await self.handle_register_states(session, metas)
+        states = self._own_states(s, ids)  # those just registered too
         for st in states:
             if reuse_expected is True:
                 self._leases.plan([k for k in st.block_keys if k in self._catalog.blocks], time.time())
@@ -323,6 +340,14 @@ class ClientHandlers:
         if states:
             self._budget.note_change()
             self._budget.note_progress()
+
+    def _own_states(self, s: Session, ids: list[str]) -> list:
+        """The registered states of ``ids``, or AccessDenied if any is another namespace's."""
+        states = [st for st in map(self._catalog.states.get, ids) if st is not None]
+        for st in states:
+            if not s.sees(st.namespace):
+                raise AccessDenied(f"state {st.state_id} is not one of namespace {s.namespace!r}'s")
+        return states
 
     # -- views ----------------------------------------------------------------------------------
     def handle_catalog(self, session: str) -> list[dict]:

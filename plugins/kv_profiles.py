@@ -23,18 +23,22 @@ def pair_name(src: str, dst: str) -> str:
 
 
 class ProfileBook:
-    __slots__ = ("_scheduler", "_max_samples", "_samples", "_probed_bandwidth", "_probed_latency")
+    __slots__ = ("_scheduler", "_max_samples", "_samples", "_fitted", "_probed_bandwidth", "_probed_latency")
 
     def __init__(self, scheduler, max_samples: int):
         self._scheduler = scheduler  # live workers; Dask's own bandwidth figures
         self._max_samples = max_samples  # prefill timings kept per worker
         self._samples: dict[str, deque[PrefillSample]] = {}  # worker -> its recent prefill timings
+        # worker -> its fitted profile, until its next sample: every planning snapshot reads the
+        # profiles, and refitting every worker's each time grew the scheduler's cost with workers
+        self._fitted: dict[str, dict] = {}
         self._probed_bandwidth: dict[tuple[str, str, str], float] = {}  # (namespace, src, dst) -> bytes/s
         self._probed_latency: dict[tuple[str, str, str], float] = {}  # (namespace, src, dst) -> s per fetch
 
     # -- what comes in ----------------------------------------------------------------------
     def add_sample(self, worker: str, sample: PrefillSample) -> None:
         self._samples.setdefault(worker, deque(maxlen=self._max_samples)).append(sample)
+        self._fitted.pop(worker, None)
 
     def record_probe(self, namespace: str | None, src: str, dst: str, bandwidth: float,
                      latency: float | None = None) -> None:
@@ -47,6 +51,7 @@ class ProfileBook:
         """``worker`` left: its samples and every probe of a link to or from it go (probes name
         live workers only, so they stay as few as the pairs of workers)."""
         self._samples.pop(worker, None)
+        self._fitted.pop(worker, None)
         for probed in (self._probed_bandwidth, self._probed_latency):
             for k in [k for k in probed if worker in k[1:]]:
                 del probed[k]
@@ -57,8 +62,10 @@ class ProfileBook:
         out = {}
         for worker, samples in self._samples.items():
             if samples and worker in self._scheduler.workers:
-                p = fit_prefill_profile(list(samples))
-                out[worker] = {"a": p.a, "b": p.b, "c": p.c, "samples": len(samples)}
+                if worker not in self._fitted:
+                    p = fit_prefill_profile(list(samples))
+                    self._fitted[worker] = {"a": p.a, "b": p.b, "c": p.c, "samples": len(samples)}
+                out[worker] = dict(self._fitted[worker])  # a copy: the answer is the caller's
         return out
 
     def _pair_bandwidths(self, namespace: str | None) -> dict[Pair, float]:

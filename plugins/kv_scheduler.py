@@ -88,6 +88,7 @@ from .kv_profiles import ProfileBook
 from .kv_queue import QueueTracker
 from .kv_engines import EngineGauges
 from .kv_reports import WorkerReports
+from .kv_rpc_counts import RpcCounts
 from .kv_settings import KVSettings
 from .kv_span_history import SpanHistory
 from .kv_tiers import TierTracker
@@ -146,6 +147,7 @@ class KVSchedulerPlugin(SchedulerPlugin):
     locality: Locality  # restrictions: set from the plan, loosened when workers die
     lifecycle: BlockLifecycle  # cataloged blocks through Dask's transitions
     views: KVViews  # catalog rows and counters, per namespace or the operator's
+    rpc_counts: RpcCounts  # kv_* RPCs answered, by name, counted where they enter
     client_api: ClientHandlers  # the kv_* RPCs
     reports: WorkerReports  # workers' reports, each from the worker itself
     engines: EngineGauges  # each worker's continuous-batching loop, from its reports
@@ -203,7 +205,9 @@ class KVSchedulerPlugin(SchedulerPlugin):
         self.profiles = ProfileBook(s, settings.prefill_samples)
         self.locality = Locality(s, self.catalog, self.budget, self.queue, self.event_log)
         self.lifecycle = BlockLifecycle(s, self.catalog, self.budget, self.event_log)
-        self.views = KVViews(s, settings, self.catalog, self.tiers, self.usage, self.event_log, self.tenants)
+        self.rpc_counts = RpcCounts()
+        self.views = KVViews(s, settings, self.catalog, self.tiers, self.usage, self.event_log, self.tenants,
+                             self.rpc_counts)
         self.client_api = ClientHandlers(s, settings, self.tenants, self.catalog, self.ownership, self.leases,
                                          self.locality, self.budget, self.usage, self.queue, self.profiles,
                                          self.lifecycle, self.event_log, self.views, self.timeline)
@@ -211,8 +215,8 @@ class KVSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler) -> None:
         self._build(scheduler)
         di.ensure_client(scheduler, CACHE_CLIENT)
-        di.add_handlers(scheduler, self.client_api.handlers())
-        di.add_handlers(scheduler, self.gate.handlers())
+        di.add_handlers(scheduler, self.rpc_counts.counted(self.client_api.handlers()))
+        di.add_handlers(scheduler, self.rpc_counts.counted(self.gate.handlers()))
         di.add_handlers(scheduler, {REPORT_HELLO_RPC: self.reports.hello})  # a worker asks for its token
         # On the sender's own stream (before any worker plugin or client could send them):
         di.add_stream_handlers(scheduler, {REPORT_OP: self.reports.report, BIND_OP: self.handle_bind})

@@ -15,6 +15,7 @@ from daskflow_kv.state.catalog import KVCatalog, rows_to_arrow
 from .kv_events import EventLog
 from .kv_settings import KVSettings
 from .kv_tiers import TierTracker
+from .kv_rpc_counts import RpcCounts
 from .kv_usage import KVUsage
 from .tenants import TenantRegistry
 
@@ -23,10 +24,10 @@ SHOWN_EVENTS = 64  # newest lifecycle events in a counters view
 
 
 class KVViews:
-    __slots__ = ("_scheduler", "_settings", "_catalog", "_tiers", "_usage", "_events", "_tenants")
+    __slots__ = ("_scheduler", "_settings", "_catalog", "_tiers", "_usage", "_events", "_tenants", "_rpc")
 
     def __init__(self, scheduler, settings: KVSettings, catalog: KVCatalog, tiers: TierTracker, usage: KVUsage,
-                 events: EventLog, tenants: TenantRegistry):
+                 events: EventLog, tenants: TenantRegistry, rpc: RpcCounts):
         self._scheduler = scheduler  # who has each block, who wants it
         self._settings = settings  # the budget shown next to each worker's KV bytes
         self._catalog = catalog  # rows and counters
@@ -34,6 +35,7 @@ class KVViews:
         self._usage = usage  # KV bytes per worker
         self._events = events  # lifecycle events and decisions
         self._tenants = tenants  # open (one trust domain) or not: whether keys are cut short
+        self._rpc = rpc  # kv_* RPCs answered, by name (every namespace's: the operator's view only)
 
     def catalog_rows(self, namespace: str | None = None) -> list[dict]:
         """Catalog rows of ``namespace`` (None: every namespace)."""
@@ -53,17 +55,22 @@ class KVViews:
 
     def counters_view(self, namespace: str | None = None, public: bool = False) -> dict:
         """``namespace``'s counters (None: every namespace's, added up), per-worker KV bytes,
-        and its decisions and events (``public``: keys cut short)."""
+        and its decisions and events (``public``: keys cut short). Every namespace's view (the
+        operator's, an admin's) also counts the ``kv_*`` RPCs answered, by name: the calls are
+        not kept per namespace, and one tenant's traffic is not another's to read."""
         c = dict(self._catalog.counters if namespace is None else self._catalog.counters_of(namespace))
         total = c["tokens_reused"] + c["tokens_computed"]
         c["reuse_ratio"] = c["tokens_reused"] / total if total else 0.0
-        return {
+        view = {
             "counters": c,
             "decisions": self._events.decisions(namespace, last=SHOWN_DECISIONS, public=public),
             "kv_bytes": self._usage.bytes_by_worker(),
             "kv_budget_bytes": self._settings.kv_budget_bytes,
             "events": self._events.events(namespace, last=SHOWN_EVENTS, public=public),
         }
+        if namespace is None:
+            view["rpc_calls"] = self._rpc.snapshot()
+        return view
 
     # -- the operator's (the dashboard, /metrics, catalog exports) ---------------------------------
     def operator_catalog(self) -> list[dict]:

@@ -129,6 +129,8 @@ BIG = 2 ** 64 - 1  # the largest integer an RPC carries at all (msgpack: a clien
     ("kv_lookup", {"root": "r", "keys": [], "tokens": [-1], "block_size": 16}, "tokens"),
     ("kv_lookup", {"root": "r", "keys": [], "tokens": [1], "block_size": BIG}, "block_size"),
     ("kv_lookup", {"root": "r" * 10 ** 5, "keys": [], "tokens": [1], "block_size": 16}, "root"),
+    ("kv_lookup", {"root": "r", "keys": [], "tokens": [1], "block_size": 16, "view": "yes"}, "view"),
+    ("kv_lookup", {"root": "r", "keys": [], "tokens": [1], "block_size": 16, "view": 1}, "view"),
     ("kv_acquire", {"keys": ["k" * 10 ** 5]}, "keys"),
     ("kv_record_bandwidth", {"src": "a", "dst": "b", "bandwidth": BIG}, "bandwidth"),
     ("kv_record_bandwidth", {"src": "a", "dst": "b", "bandwidth": 1e9, "latency": float("inf")}, "latency"),
@@ -182,3 +184,21 @@ def test_one_tenant_cannot_grow_the_schedulers_memory_without_limit(cluster, bob
     bob.plugin.record_bandwidth(a, b, 1e9)
     probed = plugin(cluster).profiles._probed_bandwidth
     assert {k for k in probed if k[0] == "bob"} == {("bob", a, b)}
+
+
+def test_a_lookups_snapshot_is_the_callers_own_view(cluster, alice, bob, record):
+    """A lookup that carries the planner's snapshot (``view=True``: one round trip, not two)
+    answers what ``kv_snapshot`` answers that session - another tenant's probed links stay
+    out - and no block of another namespace's."""
+    a, b = sorted(cluster.scheduler.workers)
+    alice.plugin.record_bandwidth(b, a, 123e6)  # alice's probe: for alice's plans only
+    ans = bob.client.sync(bob.client.scheduler.kv_lookup, session=bob.session.token, root=bob.key_digest,
+                          keys=[], tokens=list(record.tokens), block_size=16, view=True)
+    own = bob.plugin.call("kv_snapshot")
+    assert ans["tokens"] == 0 and not ans["blocks"]
+    assert all(link[:2] != [b, a] for link in ans["snapshot"]["links"])
+    assert ans["snapshot"]["links"] == own["links"] and set(ans["snapshot"]["workers"]) == set(own["workers"])
+    mine = alice.prefixes.find(list(record.tokens), view=True)
+    assert mine.tokens == record.length and mine.snapshot["links"] == alice.plugin.call("kv_snapshot")["links"]
+    assert alice.prefixes.find(list(record.tokens), view="uncovered").snapshot is None  # all cached: no plan
+    assert alice.prefixes.find(list(record.tokens) + [5], view="uncovered").snapshot is not None

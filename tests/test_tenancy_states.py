@@ -69,6 +69,49 @@ def test_bob_cannot_list_alices_blocks_in_a_state_of_his(alice, bob, record):
     assert "kvstate-materialize-b0b0b0b0b0b0" not in {r["state_id"] for r in alice.catalog().to_pylist()}
 
 
+def test_registrations_riding_on_a_release_keep_every_check(alice, bob, record):
+    """A release may carry states to register first (``kv_release_states(metas=...)``: a
+    fork's, on its parent's release). Bob's release of alice's state refuses the whole call
+    before anything is registered; a carried state listing her blocks refuses it before
+    anything is released; his own carried fork is registered, then released in one call."""
+    bob_state = bob.materialize(bob.encode(PROMPT))
+    bob.wait([bob_state])
+    keys = bob_state.state.block_keys
+    release = lambda ids, metas: bob.client.sync(bob.client.scheduler.kv_release_states,  # noqa: E731
+                                                  session=bob.session.token, state_ids=ids, metas=metas)
+    with pytest.raises(AccessDenied, match="not one of namespace 'bob'"):
+        release([bob_state.state_id, record.state_id], [_meta("kvstate-bob-ride-1", keys)])
+    assert "kvstate-bob-ride-1" not in {r["state_id"] for r in bob.catalog().to_pylist()}
+    with pytest.raises(AccessDenied, match="own namespace's blocks"):
+        release([bob_state.state_id], [_meta("kvstate-bob-ride-2", record.state.block_keys)])
+    rows = {r["state_id"]: r["state_status"] for r in bob.catalog().to_pylist()}
+    assert rows[bob_state.state_id] == "live" and "kvstate-bob-ride-2" not in rows
+    release([bob_state.state_id, "kvstate-bob-ride-3"], [_meta("kvstate-bob-ride-3", keys)])
+    rows = {r["state_id"]: r["state_status"] for r in bob.catalog().to_pylist()}
+    assert rows[bob_state.state_id] == rows["kvstate-bob-ride-3"] == "released"
+    alice_rows = [r for r in alice.catalog().to_pylist() if r["state_id"] == record.state_id]
+    assert {r["state_status"] for r in alice_rows} == {"live"}
+
+
+def test_a_fork_is_registered_by_the_next_call(bob, record):
+    """A fork's registration rides on the runtime's next call: its parent's release carries
+    it, and a refused call still leaves it registered (sent on its own)."""
+    parent = bob.materialize(bob.encode(PROMPT + SUFFIX))
+    kids = bob.fork(parent, 2)
+    assert len(bob.plugin.pending) == 2
+    rows = {r["state_id"] for r in bob.catalog().to_pylist()}  # any call registers them first
+    assert {k.state_id for k in kids} <= rows and not bob.plugin.pending
+    more = bob.fork(parent, 1)
+    bob.release(parent)  # the parent's release carries the fork: one round trip
+    rows = {r["state_id"]: r["state_status"] for r in bob.catalog().to_pylist()}
+    assert rows[more[0].state_id] == "live" and rows[parent.state_id] == "released"
+    late = bob.fork(kids[0], 1)
+    with pytest.raises(AccessDenied, match="not one of namespace 'bob'"):
+        bob.plugin.release_states([record.state_id])  # refused whole: alice's
+    assert late[0].state_id in {r["state_id"] for r in bob.catalog().to_pylist()} and not bob.plugin.pending
+    bob.release_many(kids + more + late)
+
+
 def test_the_wait_is_the_servers(bob):
     with pytest.raises(TypeError, match="timeout"):  # the caller no longer chooses it
         _register(bob, [_meta("kvstate-materialize-b0b0b0b0b0b2", [])], timeout=3600)

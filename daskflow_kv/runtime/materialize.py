@@ -63,7 +63,7 @@ class Materializer:
         """The state of ``tokens`` made by ``op`` from ``parents`` (``detail``: its lineage's)."""
         compat.check_positions(0, len(tokens), 0, self.facts.max_positions)
         sid = new_state_id(op)
-        held = self.prefixes.find(tokens)
+        held = self.prefixes.find(tokens, view="uncovered")  # a prefill is planned on the view: same round trip
         in_memory = held.tokens
         held = self.store_reader.extend(tokens, held, worker, sid)  # a miss in memory may hit the store
         reused = held.tokens
@@ -76,7 +76,8 @@ class Materializer:
         sources: list[BlockSource] = []  # where each new block is cut from (per chunk, when split)
         target = None  # where the new blocks are made (the last chunk's worker, when split)
         if reused < len(tokens):
-            view = self.planner.view()
+            # the lookup's view, unless a store load was queued since (the plan must see it)
+            view = self.planner.view(held.snapshot if reused <= in_memory else None)
             policy = materialize_policy(view, reused, len(tokens) - reused)
             [p], view = self.planner.place(view, held, PlanRequest([reused], [len(tokens) - reused], 0, policy, worker))
             self.planner.record(p)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..policy.cluster_view import ClusterView, median_profile
@@ -55,8 +55,10 @@ class Planner:
     calibrating: threading.Lock = field(default_factory=threading.Lock)  # held while a thread calibrates
     remembered: PrefillProfile | None = None  # the last measured median: outlives the workers it came from
 
-    def view(self) -> ClusterView:
-        view = self.plugin.snapshot(self.bandwidth_override, self.prefill_override)
+    def view(self, snapshot: Mapping | None = None) -> ClusterView:
+        """What the planner sees now: ``snapshot`` (one that came with a lookup, ``HeldPrefix.
+        snapshot``: no second round trip), else a fresh one from the plugin."""
+        view = self.plugin.snapshot(self.bandwidth_override, self.prefill_override, snapshot)
         self.remembered = median_profile(view.prefill.values()) or self.remembered
         return view
 

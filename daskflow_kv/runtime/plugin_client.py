@@ -13,13 +13,15 @@ from __future__ import annotations
 import copy
 from concurrent.futures import CancelledError
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from distributed import Client, wait
 from distributed.client import FutureCancelledError
 from distributed.comm.core import CommClosedError
 
 from ..errors import ClientClosed, SchedulerLost
+from ..plugins.kv_notes import MAX_LIST
 
 from ..policy.cluster_view import ClusterView, PrefixMatch
 from ..policy.cost_model import PrefillProfile
@@ -105,6 +107,10 @@ def _run_kw() -> dict:
 class PluginClient:
     client: Client  # the Dask client whose scheduler runs the KV plugin
     session: KVSession  # this runtime's login; its token goes on every call
+    # States whose registration rides on this session's next call (``register_states(later=True)``:
+    # forks, whose blocks the scheduler knows already); any thread's next call carries them.
+    pending: list[dict] = field(default_factory=list)
+    pending_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def login(cls, client: Client, namespace: str | None = None, secret: str | None = None) -> PluginClient:
@@ -120,6 +126,29 @@ class PluginClient:
         if self.client.scheduler is None or self.client.status == "closed":
             # A thread still working after its runtime's client was closed (Dask unset the comm).
             raise ClientClosed(f"cannot call {name}: this runtime's Dask client is {self.client.status}")
+        with self.pending_lock:
+            pending, self.pending = self.pending, []
+        if pending:  # registered before anything this call does, in the same message where it can
+            if name == "kv_release_states":
+                kwargs["metas"] = pending
+            elif name == "kv_register_states" and len(pending) + len(kwargs["metas"]) <= MAX_LIST:
+                kwargs["metas"] = pending + list(kwargs["metas"])
+            else:
+                self._send("kv_register_states", {"metas": pending})
+                pending = []
+        try:
+            return self._send(name, kwargs)
+        except (PermissionError, ValueError):
+            # The plugin refused the call before registering anything (a release of a state not
+            # the caller's, say): the forks it carried are registered on their own all the same.
+            if pending:
+                try:
+                    self._send("kv_register_states", {"metas": pending})
+                except (PermissionError, ValueError):
+                    pass  # they were the refused part: the call's own error says why
+            raise
+
+    def _send(self, name: str, kwargs: dict):
         try:
             return self.client.sync(getattr(self.client.scheduler, name), session=self.session.token, **kwargs)
         except (CommClosedError, OSError) as e:
@@ -128,12 +157,15 @@ class PluginClient:
             raise scheduler_lost(self.client, f"{type(e).__name__}: {e}") from e
 
     # -- blocks --------------------------------------------------------------------------------
-    def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int) -> PrefixMatch:
+    def lookup(self, root: str, keys: Sequence[str], tokens: Sequence[int], block_size: int,
+               view: bool | str = False) -> tuple[PrefixMatch, dict | None]:
         """The longest cached prefix of ``tokens`` (asked by its own chain ``keys``); the plugin
-        acquires its blocks for this client before it answers."""
+        acquires its blocks for this client before it answers. ``view``: the planner's snapshot
+        comes in the same answer (``kv_snapshot``'s, raw: ``Planner.view`` reads it), else None;
+        ``"uncovered"``: only when the blocks leave tokens to prefill."""
         ans = self.call("kv_lookup", root=root, keys=list(keys), tokens=list(tokens), block_size=block_size,
-                        **_run_kw())
-        return PrefixMatch.from_answer(ans)
+                        **_run_kw(), **({"view": view} if view else {}))
+        return PrefixMatch.from_answer(ans), ans.get("snapshot")
 
     def acquire(self, keys: Iterable[str]) -> dict[str, str]:
         """Content addresses the scheduler knows in this namespace -> the Dask key now acquired
@@ -141,9 +173,19 @@ class PluginClient:
         keys = list(keys)
         return dict(self.call("kv_acquire", keys=keys, **_run_kw())) if keys else {}
 
-    def register_states(self, metas: list[dict]) -> None:
-        """Catalog new states (the plugin answers once it knows all their blocks)."""
-        self.call("kv_register_states", metas=metas)
+    def register_states(self, metas: list[dict], later: bool = False) -> None:
+        """Catalog new states (the plugin answers once it knows all their blocks). ``later``:
+        states that add no block (forks): registered with this session's next call, before
+        whatever that call does - a fork and its parent's release are one round trip, and no
+        call sees the catalog without them. (A refusal of theirs is that next call's error.)"""
+        if not later:
+            self.call("kv_register_states", metas=metas)
+            return
+        with self.pending_lock:
+            self.pending.extend(metas)
+            full = len(self.pending) >= MAX_LIST
+        if full:  # bounded: one message carries at most MAX_LIST states
+            self.call("kv_register_states", metas=[])
 
     def release_states(self, state_ids: Sequence[str], reuse_expected: bool = False) -> None:
         self.call("kv_release_states", state_ids=list(state_ids), reuse_expected=reuse_expected)
@@ -161,9 +203,11 @@ class PluginClient:
         return self.admin_call("kv_drop")
 
     # -- what the planner sees ---------------------------------------------------------------------
-    def snapshot(self, bandwidth_override: float | None = None,
-                 prefill_override: PrefillProfile | None = None) -> ClusterView:
-        return ClusterView.from_snapshot(self.call("kv_snapshot"), bandwidth_override, prefill_override)
+    def snapshot(self, bandwidth_override: float | None = None, prefill_override: PrefillProfile | None = None,
+                 answer: dict | None = None) -> ClusterView:
+        """The planner's view: ``answer`` (a snapshot that came with a lookup), else a ``kv_snapshot`` call."""
+        return ClusterView.from_snapshot(self.call("kv_snapshot") if answer is None else answer, bandwidth_override,
+                                         prefill_override)
 
     def prefill_profiles(self) -> dict[str, dict]:
         """The fitted prefill profile of every worker that reported a prefill, as the plugin sends them."""

@@ -26,6 +26,7 @@ class HeldPrefix:
     match: PrefixMatch  # the plugin's answer: tokens covered, blocks and where they are
     futures: Mapping[str, Future]  # block key -> the future that keeps it alive, one per block
     request: Sequence[int] = ()  # the tokens looked up (the blocks' tokens, up to ``match.tokens``)
+    snapshot: Mapping | None = None  # the planner's snapshot, when it came with the lookup (``find(view=True)``)
 
     @property
     def tokens(self) -> int:
@@ -51,7 +52,7 @@ class HeldPrefix:
         blocks = self.blocks[:keep] + tuple(b for b, _ in more)
         futures = {b.key: self.futures[b.key] for b in self.blocks[:keep]}
         futures.update((b.key, f) for b, f in more)
-        return HeldPrefix(PrefixMatch(blocks[-1].end if blocks else 0, blocks), futures, self.request)
+        return HeldPrefix(PrefixMatch(blocks[-1].end if blocks else 0, blocks), futures, self.request, self.snapshot)
 
 
 @dataclass(slots=True, eq=False)
@@ -61,13 +62,15 @@ class PrefixCache:
     key_digest: str  # seeds this tenant's chain keys (``state.blocks.keyed_digest``)
     block_size: int  # tokens per block
 
-    def find(self, tokens: Sequence[int]) -> HeldPrefix:
-        """The longest cached prefix of ``tokens`` in this namespace, asked by its own chain keys."""
+    def find(self, tokens: Sequence[int], view: bool | str = False) -> HeldPrefix:
+        """The longest cached prefix of ``tokens`` in this namespace, asked by its own chain keys.
+        ``view``: the planner's snapshot comes in the same round trip (``HeldPrefix.snapshot``;
+        ``"uncovered"``: only when tokens are left to prefill)."""
         full = aligned_floor(len(tokens), self.block_size)
         keys = [k for k, _, _ in chain_keys(self.key_digest, tokens[:full], self.block_size,
                                             namespace=self.plugin.session.namespace)]
-        match = self.plugin.lookup(self.key_digest, keys, tokens, self.block_size)
-        return HeldPrefix(match, hold_futures(self.client, [b.key for b in match.blocks]), tokens)
+        match, snapshot = self.plugin.lookup(self.key_digest, keys, tokens, self.block_size, view)
+        return HeldPrefix(match, hold_futures(self.client, [b.key for b in match.blocks]), tokens, snapshot)
 
     def acquire(self, contents: Iterable[str]) -> tuple[dict[str, Future], set[str]]:
         """(content address -> future of the block the scheduler holds or is computing for it,

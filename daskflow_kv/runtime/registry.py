@@ -4,7 +4,8 @@ Every operator ends here. ``create`` makes the descriptor of each new state (its
 its lineage: the parents' history then one event) and the handle holding its block
 futures; ``adopt`` registers descriptors that reuse an existing state's futures (forks, a
 concatenating merge). One ``kv_register_states`` call per operation, however many states:
-per-state calls cost a scheduler round trip each.
+per-state calls cost a scheduler round trip each; adopted states (they add no block) ride on
+the runtime's next call instead, most often the parent's release.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ class StateRegistry:
         return handles
 
     def adopt(self, descs: Sequence[KVState], futures: tuple[Future, ...]) -> list[DistKVState]:
-        """Handles for descriptors that share ``futures`` (their parent's blocks), registered."""
-        self.register(descs)
+        """Handles for descriptors that share ``futures`` (their parent's blocks), registered
+        with this runtime's next call (they add no block: ``PluginClient.register_states``)."""
+        self.register(descs, later=True)
         return [DistKVState(d, futures, self.owner) for d in descs]
 
-    def register(self, descs: Sequence[KVState], details: Sequence[Mapping] | None = None) -> None:
+    def register(self, descs: Sequence[KVState], details: Sequence[Mapping] | None = None,
+                 later: bool = False) -> None:
         details = details or [{}] * len(descs)
         metas = [
             {
@@ -83,4 +86,4 @@ class StateRegistry:
         if run is not None:  # whose they are, should the budget need to preempt a run to make room
             for meta in metas:
                 meta["flow"] = run
-        self.plugin.register_states(metas)
+        self.plugin.register_states(metas, later)

@@ -40,10 +40,12 @@ class ResumePlanner:
         groups: dict[tuple, list[int]] = {}
         for i, state in enumerate(states):
             groups.setdefault(state.state.block_keys, []).append(i)
-        view = self.planner.view()
+        view = None  # the first lookup brings it (one round trip, not two)
         branches: list[Branch | None] = [None] * len(states)
         for idxs in groups.values():
-            held = self.prefixes.find(states[idxs[0]].tokens)
+            held = self.prefixes.find(states[idxs[0]].tokens, view=view is None)
+            if view is None:
+                view = self.planner.view(held.snapshot)
             # decode needs >= 1 fed token; below fp32 a prefill starts on a block boundary
             reused = [reusable_prefix(min(held.tokens, len(prompts[i]) - 1), self.prefixes.block_size,
                                       self.facts.aligned_prefill) for i in idxs]
@@ -56,7 +58,7 @@ class ResumePlanner:
                 view = view.with_queue(p.worker, p.finish_s)
         for b in branches:
             self.planner.record(b.placement)
-        return branches, view
+        return branches, view if view is not None else self.planner.view()
 
 
 def batch_groups(branches: Sequence[Branch], batch: bool) -> list[list[int]]:

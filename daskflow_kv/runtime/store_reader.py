@@ -61,7 +61,7 @@ class StoreReader:
             return held
         self.tier.mark_stored(k for k, _, _ in rest[:n])
         end = rest[n - 1][2]
-        view = self.planner.view()
+        view = self.planner.view(held.snapshot)  # the one that came with the lookup
         target = worker or holder_of(held.blocks[:mem], view.busy) or _least_loaded(view.workers)
         nbytes = (end - rest[0][1]) * self.bytes_per_token
         decision = self._price(view, target, nbytes, end - held.tokens, held.tokens)

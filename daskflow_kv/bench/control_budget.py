@@ -1,0 +1,57 @@
+"""What one workflow asks of the scheduler, counted: ``kv_*`` RPCs by name and Dask task
+transitions, per workflow, in state mode and as plain Dask tasks (text mode) for the same
+calls. The counts are the control plane's deterministic cost (CPU seconds are noisy on a
+shared host): ``tests/test_control_budget.py`` holds them to a budget, and
+``benchmarks/control_plane.py`` reports them beside its CPU figures.
+
+RPCs are counted by the scheduler plugin where they enter (``plugins/kv_rpc_counts``), read
+through the admin's ``kv_counters`` view; the read itself is left out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .chaos import _run, _tokens
+from .load_stream import Arrival, build, documents
+
+READ_CALL = "kv_counters"  # the call that reads the counts: not the workflows' traffic
+
+
+def rpc_calls(rt) -> Counter:
+    """The ``kv_*`` RPCs the scheduler has answered so far, by name (an admin's view)."""
+    return Counter(rt.counters().get("rpc_calls", {}))
+
+
+def rpc_spent(rt, since: Counter, n: int) -> dict[str, float]:
+    """RPCs by name per workflow since the count ``since`` (``rpc_calls``), over ``n`` workflows;
+    this read and the one that took ``since`` left out."""
+    spent = rpc_calls(rt) - since
+    spent[READ_CALL] -= 1  # the read that took ``since`` was counted after it
+    return {k: v / max(1, n) for k, v in sorted((+spent).items())}
+
+
+def scheduler_transitions(client) -> int:
+    return client.run_on_scheduler(_transition_counter)
+
+
+def _transition_counter(dask_scheduler=None) -> int:
+    return dask_scheduler.transition_counter
+
+
+def workflow_pool(rt, n: int, docs: int, context: int, max_new: int, salt: str) -> list:
+    """``n`` load-stream workflows (RAG and debate in turn) over ``docs`` shared documents."""
+    texts = documents(rt.tokenizer, docs, context)
+    return [build(Arrival(i, 0.0, 0, i % docs), texts[i % docs], salt, max_new) for i in range(n)]
+
+
+def per_workflow(rt, pool: list, mode: str, ref: list | None = None) -> dict:
+    """Run ``pool`` once, one workflow after another, in ``mode``; -> RPCs by name and
+    transitions per workflow, their RPC total, and whether every output equals ``ref``."""
+    calls, moves = rpc_calls(rt), scheduler_transitions(rt.client)
+    outs = [_tokens(_run(rt, wf, mode)) for wf in pool]
+    n = len(pool)
+    by_kind = rpc_spent(rt, calls, n)
+    return {"mode": mode, "workflows": n, "rpc_per_workflow": by_kind, "rpc_total": sum(by_kind.values()),
+            "transitions_per_workflow": (scheduler_transitions(rt.client) - moves) / n,
+            "exact": ref is None or outs == ref, "outputs": outs}
