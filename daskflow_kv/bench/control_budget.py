@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .chaos import _run, _tokens
+from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, documents
 
 READ_CALL = "kv_counters"  # the call that reads the counts: not the workflows' traffic
@@ -49,7 +49,7 @@ def per_workflow(rt, pool: list, mode: str, ref: list | None = None) -> dict:
     """Run ``pool`` once, one workflow after another, in ``mode``; -> RPCs by name and
     transitions per workflow, their RPC total, and whether every output equals ``ref``."""
     calls, moves = rpc_calls(rt), scheduler_transitions(rt.client)
-    outs = [_tokens(_run(rt, wf, mode)) for wf in pool]
+    outs = [agent_tokens(run_flow(rt, wf, mode)) for wf in pool]
     n = len(pool)
     by_kind = rpc_spent(rt, calls, n)
     return {"mode": mode, "workflows": n, "rpc_per_workflow": by_kind, "rpc_total": sum(by_kind.values()),
