@@ -284,3 +284,21 @@ def test_requests_past_the_pools_bound_attend_alone_and_stay_exact(engine_factor
     assert 1 < max(s.pool_rows for s in shapes) < len(reqs)  # some attended in the pool at once...
     assert any(s.decode_rows > s.pool_rows for s in shapes if s.pool_rows)  # ...beside rows attending alone
     eng.stop()
+
+
+def test_busy_seconds_count_the_running_step_as_far_as_it_got(engine):
+    """A sampler reading the loop's busy seconds between two steps must see the step now
+    running, not its whole length at its end (it would look idle until then)."""
+    eng = StepEngine(engine.runner, step_tokens=16)
+    try:
+        ctx, blocks = _prefix(engine, CONTEXT)
+        eng.submit([StepRequest(blocks, len(ctx), engine.encode(SUFFIXES[0]), 4)])[0].result(timeout=60)
+        deadline = time.monotonic() + 10
+        while eng._step_t0 is not None and time.monotonic() < deadline:  # the result comes within its last step
+            time.sleep(0.01)
+        assert eng.stats.busy_s > 0 and eng.busy_now() == eng.stats.busy_s  # between steps: the steps' sum
+        eng._step_t0 = time.perf_counter() - 0.5  # as if a step began half a second ago
+        assert eng.busy_now() >= eng.stats.busy_s + 0.5
+    finally:
+        eng._step_t0 = None
+        eng.stop()

@@ -136,6 +136,7 @@ class StepEngine:
         # Why a model runs solo, or None when its requests share packed forwards.
         self.solo_reason = self.forward.solo_reason
         self.stats = EngineStats()
+        self._step_t0: float | None = None  # when the step now running began (perf_counter); None between steps
         self._ids = itertools.count()
         self._groups = itertools.count()
         self._cond = threading.Condition()
@@ -213,6 +214,7 @@ class StepEngine:
             try:
                 self._step(joining, plan)
             except Exception as e:  # a bad request must not take the worker's loop down
+                self._step_t0 = None
                 logger.exception("daskflow-kv step failed")
                 for x in [*joining, *self._running]:
                     self._finish(x, error=e)
@@ -228,6 +230,13 @@ class StepEngine:
         for x in [x for x in self._running if x.cancelled]:
             self._finish(x, error=CancelledError())
 
+    def busy_now(self) -> float:
+        """Busy seconds since start, the step now running included as far as it got: a sampler
+        that reads ``stats.busy_s`` sees a step's seconds only when it ends, and places them
+        up to a sampling interval late (a long step's first intervals look idle)."""
+        t0 = self._step_t0
+        return self.stats.busy_s + (time.perf_counter() - t0 if t0 is not None else 0.0)
+
     def _fail_all(self, error: Exception) -> None:
         for x in [*self._waiting, *self._running]:
             self._finish(x, error=error)
@@ -235,6 +244,7 @@ class StepEngine:
 
     def _step(self, joining: list[_Live], plan) -> None:
         t0, started, cpu0 = time.perf_counter(), time.time(), time.thread_time()
+        self._step_t0 = t0
         for x in joining:
             self._join(x)
         feeds = {rid: n for rid, n in plan.feeds}
@@ -262,6 +272,7 @@ class StepEngine:
         st.batch_total += len(fed)
         st.step_s, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         st.busy_s += st.step_s
+        self._step_t0 = None
         st.running = len(self._running)
         bs = self.runner.block_size
         exported = sum(x.position - aligned_floor(x.req.prefix_len, bs) for x in done if x.req.export)

@@ -66,7 +66,7 @@ def engine_gauges() -> tuple[float, int, int, int]:
     with _LOCK:
         engines = list(_ENGINES.values())
     kv = sum(e.kv_bytes() for e in engines if hasattr(e, "kv_bytes"))
-    return (sum(e.stats.busy_s for e in engines), sum(e.stats.running for e in engines),
+    return (sum(e.busy_now() for e in engines), sum(e.stats.running for e in engines),
             sum(e.stats.waiting for e in engines), kv)
 
 
