@@ -273,12 +273,6 @@ def _private_uses(source: str, package: str, modules: set[str]) -> list[str]:
 
 # Private names still imported from files being rewritten elsewhere (issue 56, model/): each
 # goes when its file is next changed.
-PRIVATE_USES_LEFT = {
-    "daskflow_kv.model.emulated_runner: from daskflow_kv.state.fingerprint import _tokenizer_digest",
-    "daskflow_kv.model.zoo.random_llama: from daskflow_kv.model.zoo.tiny import _train_tokenizer",
-}
-
-
 def test_no_module_uses_another_modules_private_names():
     """A name another module needs is public: ``_name`` is free to change with its own module."""
     files = {_module_name(p): p for p in _sources()}
@@ -288,7 +282,7 @@ def test_no_module_uses_another_modules_private_names():
     scripts = sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
     found |= {f"{path.relative_to(ROOT)}: {use}" for path in scripts
               for use in _private_uses(path.read_text(), "", set(files))}
-    assert sorted(found - PRIVATE_USES_LEFT) == []
+    assert sorted(found) == []
 
 
 def test_the_private_name_check_finds_both_forms():

@@ -18,7 +18,7 @@ import torch
 
 from .. import config
 from ..state.blocks import aligned_floor
-from ..state.fingerprint import Fingerprint, _tokenizer_digest
+from ..state.fingerprint import Fingerprint, tokenizer_digest
 from .emulated_forward import EmulatedForward, sleep_until
 from .emulated_kv import SEED, chain, hashes_in, make_kv
 from .emulated_profile import EmulatedProfile, load_profile
@@ -51,7 +51,7 @@ class EmulatedRunner:
         shape = json.dumps({"layers": profile.layers, "kv": profile.stored_heads, "scale": profile.kv_scale})
         self.fingerprint = Fingerprint(
             model_id=profile.model, weights=profile.digest, config=hashlib.blake2b(shape.encode(), digest_size=12)
-            .hexdigest(), tokenizer=_tokenizer_digest(tokenizer), dtype=profile.dtype,
+            .hexdigest(), tokenizer=tokenizer_digest(tokenizer), dtype=profile.dtype,
             rope=json.dumps({"max_position_embeddings": profile.max_positions}),
             namespace=config.get("namespace", namespace))
 

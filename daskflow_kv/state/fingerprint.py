@@ -81,7 +81,7 @@ def _config_digest(config) -> tuple[str, str]:
     return _digest(json.dumps(d, sort_keys=True, default=str)), json.dumps(rope, sort_keys=True, default=str)
 
 
-def _tokenizer_digest(tokenizer) -> str:
+def tokenizer_digest(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     special = json.dumps(sorted(map(str, tokenizer.all_special_tokens)))
@@ -95,7 +95,7 @@ def fingerprint_model(model, tokenizer, model_id: str, namespace: str = "") -> F
         model_id=model_id,
         weights=_weights_digest(model),
         config=config_digest,
-        tokenizer=_tokenizer_digest(tokenizer),
+        tokenizer=tokenizer_digest(tokenizer),
         dtype=dtype,
         rope=rope,
         namespace=namespace,

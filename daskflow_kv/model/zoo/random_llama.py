@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 from .cache_dir import model_cache_dir
-from .tiny import _train_tokenizer
+from .tiny import train_tokenizer
 
 BUILDER_VERSION = 1  # bump when the recipe changes, so stale caches are rebuilt
 
@@ -116,7 +116,7 @@ def build_random(name: str, root: str | os.PathLike | None = None, device: str |
     device = device or _default_device()
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     cfg = random_config(name)
-    tokenizer = _train_tokenizer(tmp, cfg.max_position_embeddings)
+    tokenizer = train_tokenizer(tmp, cfg.max_position_embeddings)
     cfg = random_config(name, tokenizer)
     torch.manual_seed(spec["seed"])
     with torch.device(device):

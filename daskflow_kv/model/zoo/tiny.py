@@ -109,7 +109,7 @@ def tiny_model_names() -> list[str]:
     return sorted(TINY_SPECS)
 
 
-def _train_tokenizer(path: Path, max_length: int):
+def train_tokenizer(path: Path, max_length: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -166,7 +166,7 @@ def build_tiny(name: str, root: str | os.PathLike | None = None) -> Path:
         return path
     spec = TINY_SPECS[name]
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tokenizer = _train_tokenizer(tmp, spec["max_position_embeddings"])
+    tokenizer = train_tokenizer(tmp, spec["max_position_embeddings"])
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(_config(spec, tokenizer), dtype=torch.float32)
     model.save_pretrained(tmp)
