@@ -575,6 +575,16 @@ def oldest_heartbeat(scheduler) -> float:
     return min((ws.last_seen for ws in scheduler.workers.values()), default=time.time())
 
 
+def recent_transitions(scheduler, n: int) -> list[tuple] | None:
+    """The scheduler's last ``n`` task transitions, oldest first, as (key, start, finish,
+    stimulus_id); None when its log (``distributed.admin.low-level-log-length`` entries,
+    1000 by default) no longer holds them all."""
+    log = list(scheduler.transition_log)
+    if n > len(log):
+        return None
+    return [(t.key, t.start, t.finish, t.stimulus_id) for t in log[len(log) - n:]]
+
+
 def drop_replica(scheduler, worker: str, keys: Collection, stimulus_id: str) -> None:
     """Forget ``worker``'s copy of keys other workers also hold (what the AMM asks for)."""
     scheduler.request_remove_replicas(worker, list(keys), stimulus_id=stimulus_id)

@@ -392,6 +392,23 @@ def test_drop_replica_removes_one_copy(client, workers):
     assert wait_until(lambda: who() == {a})
 
 
+def test_recent_transitions_are_the_last_ones_with_their_cause(client, workers):
+    a, _ = workers
+    before = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.transition_counter)
+    x = client.submit(lambda: 1, key="internals-moved", workers=[a], pure=False)
+    wait(x)
+    n = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.transition_counter) - before
+    seen = client.run_on_scheduler(lambda dask_scheduler: di.recent_transitions(dask_scheduler, n))
+    ours = [t for t in seen if t[0] == x.key]  # an earlier test's release may land in the window
+    assert [(s, f) for _, s, f, _ in ours] == [("released", "waiting"), ("waiting", "processing"),
+                                              ("processing", "memory")]
+    assert ours[0][3].startswith("update-graph") and ours[-1][3].startswith("task-finished")
+    assert client.run_on_scheduler(lambda dask_scheduler: di.recent_transitions(dask_scheduler, 10**9)) is None
+    key = x.key
+    del x  # the module's cluster is shared: leave no key behind
+    assert wait_until(lambda: key not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.tasks)))
+
+
 def test_transfer_records_and_bandwidth_orientation(client, workers):
     """Workers log what they fetched; the scheduler keys its per-pair estimate (receiver, sender)."""
     a, b = workers

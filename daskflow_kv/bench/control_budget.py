@@ -1,5 +1,5 @@
 """What one workflow asks of the scheduler, counted: ``kv_*`` RPCs by name and Dask task
-transitions, per workflow, in state mode and as plain Dask tasks (text mode) for the same
+transitions (by cause), per workflow, in state mode and as plain Dask tasks (text mode) for the same
 calls. The counts are the control plane's deterministic cost (CPU seconds are noisy on a
 shared host): ``tests/test_control_budget.py`` holds them to a budget, and
 ``benchmarks/control_plane.py`` reports them beside its CPU figures.
@@ -31,12 +31,38 @@ def rpc_spent(rt, since: Counter, n: int) -> dict[str, float]:
     return {k: v / max(1, n) for k, v in sorted((+spent).items())}
 
 
+# What a workflow's own traffic makes the scheduler do: its graphs arriving, their tasks
+# finishing or failing, its client letting results go. Anything else in the window (work
+# stealing, a worker lost or paused and the plugin's recovery from it) is the cluster's
+# weather, counted apart: a noisy host can make it, a change to the control plane cannot.
+OWN_CAUSES = ("update-graph", "task-finished", "task-erred", "client-releases-keys", "client-desires-keys")
+
+
 def scheduler_transitions(client) -> int:
     return client.run_on_scheduler(_transition_counter)
 
 
 def _transition_counter(dask_scheduler=None) -> int:
     return dask_scheduler.transition_counter
+
+
+def transition_causes(client, n: int) -> Counter | None:
+    """The scheduler's last ``n`` transitions by cause (their stimulus id without its serial
+    number); None when Dask's log no longer holds them all."""
+    seen = client.run_on_scheduler(_recent, n)
+    return None if seen is None else Counter(stimulus.rsplit("-", 1)[0] for *_, stimulus in seen)
+
+
+def _recent(n: int, dask_scheduler=None):
+    from ..dask_internals import recent_transitions
+
+    return recent_transitions(dask_scheduler, n)
+
+
+def own_transitions(causes: Counter | None, total: int) -> int:
+    """Of ``total`` transitions, those the workflows' own traffic caused (all of them, failing
+    closed, when the causes are unknown)."""
+    return total if causes is None else sum(v for k, v in causes.items() if k in OWN_CAUSES)
 
 
 def workflow_pool(rt, n: int, docs: int, context: int, max_new: int, salt: str) -> list:
@@ -52,6 +78,8 @@ def per_workflow(rt, pool: list, mode: str, ref: list | None = None) -> dict:
     outs = [agent_tokens(run_flow(rt, wf, mode)) for wf in pool]
     n = len(pool)
     by_kind = rpc_spent(rt, calls, n)
+    total = scheduler_transitions(rt.client) - moves
+    causes = transition_causes(rt.client, total)
     return {"mode": mode, "workflows": n, "rpc_per_workflow": by_kind, "rpc_total": sum(by_kind.values()),
-            "transitions_per_workflow": (scheduler_transitions(rt.client) - moves) / n,
-            "exact": ref is None or outs == ref, "outputs": outs}
+            "transitions_per_workflow": total / n, "own_transitions_per_workflow": own_transitions(causes, total) / n,
+            "transitions_by_cause": dict(causes or {}), "exact": ref is None or outs == ref, "outputs": outs}
