@@ -28,6 +28,7 @@ RPC_BUDGET = {"kv_lookup": 5.0, "kv_acquire": 5.5, "kv_register_states": 5.5, "k
 # fork's registration rode on the release after it
 RPC_TOTAL_BUDGET = 25.0
 TRANSITIONS_BUDGET = 90.0  # Dask task transitions per workflow, state mode (76-82 measured, placement varies; plain Dask: 18)
+PER_REBUILD = 8.0  # a rebuild: its task's 4 transitions and its blocks' (4.8 measured in all)
 TEXT_RPCS = {"kv_gate_enter": 1.0, "kv_gate_leave": 1.0}  # plain Dask's calls ask the plugin only for the gate
 
 
@@ -66,7 +67,7 @@ def test_control_plane_budget_per_workflow(workers):
         text = per_workflow(rt, pool, "text")
         state = per_workflow(rt, pool, "state", text["outputs"])
     print(f"{workers} workers: state {state['rpc_per_workflow']} = {state['rpc_total']:.1f} RPCs, "
-          f"{state['transitions_per_workflow']:.1f} transitions {state['transitions_by_cause']}; text {text['rpc_total']:.1f} RPCs, "
+          f"{state['transitions_per_workflow']:.1f} transitions {state['transitions_by_cause']}, {state['rebuilds_per_workflow']:.2f} rebuilds; text {text['rpc_total']:.1f} RPCs, "
           f"{text['transitions_per_workflow']:.1f} transitions a workflow")
     assert state["exact"], "state mode's tokens differ from text mode's"
     assert text["rpc_per_workflow"] == TEXT_RPCS
@@ -75,8 +76,11 @@ def test_control_plane_budget_per_workflow(workers):
     assert state["rpc_total"] <= RPC_TOTAL_BUDGET
     # The gate holds the transitions the workflows' own traffic caused (``OWN_CAUSES``); the
     # cluster's weather (stealing, a paused worker) is printed with the causes when it fails.
-    # A CI run on a loaded host counted 101.3 in all at 4 workers with every RPC on budget.
-    assert state["own_transitions_per_workflow"] <= TRANSITIONS_BUDGET, state["transitions_by_cause"]
+    # A prefix the cost model rebuilt where it is read rather than moved (its choice follows
+    # the host's measured speeds) is allowed its task and blocks. A CI run on a loaded host
+    # counted 101.3 in all at 4 workers, every RPC on budget (77-82 here, 0-0.8 rebuilds).
+    allowed = TRANSITIONS_BUDGET + PER_REBUILD * state["rebuilds_per_workflow"]
+    assert state["own_transitions_per_workflow"] <= allowed, (state["transitions_by_cause"], state["rebuilds_per_workflow"])
     assert text["own_transitions_per_workflow"] <= 20, text["transitions_by_cause"]  # one task an agent, and its result
 
 
@@ -104,3 +108,16 @@ def test_prefill_profiles_are_fitted_once_per_new_sample(monkeypatch):
     assert book.prefill_profiles()["w2"] == first["w2"]
     book.forget_worker("w1")
     assert set(book.prefill_profiles()) == {"w2"}
+
+
+def test_transitions_are_split_by_cause_and_unknown_causes_count_as_the_workflows():
+    from daskflow_kv.bench.control_budget import by_cause, own_transitions, rebuilds
+
+    seen = [("kvreplica-a", "released", "waiting", "update-graph-17.5"),
+            ("kvreplica-a", "waiting", "processing", "task-finished-18.0"),
+            ("kvprefill-b", "processing", "released", "steal-3"),
+            ("kvprefill-b", "released", "waiting", "kv-tick-19.25")]
+    causes = by_cause(seen)
+    assert causes == {"update-graph": 1, "task-finished": 1, "steal": 1, "kv-tick": 1}
+    assert own_transitions(causes, 4) == 2 and rebuilds(seen) == 1
+    assert by_cause(None) is None and own_transitions(None, 4) == 4 and rebuilds(None) == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..keys import REPLICA
 from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, documents
 
@@ -46,17 +47,27 @@ def _transition_counter(dask_scheduler=None) -> int:
     return dask_scheduler.transition_counter
 
 
-def transition_causes(client, n: int) -> Counter | None:
-    """The scheduler's last ``n`` transitions by cause (their stimulus id without its serial
-    number); None when Dask's log no longer holds them all."""
-    seen = client.run_on_scheduler(_recent, n)
-    return None if seen is None else Counter(stimulus.rsplit("-", 1)[0] for *_, stimulus in seen)
+def recent_transitions(client, n: int) -> list | None:
+    """The scheduler's last ``n`` transitions as (key, start, finish, stimulus id); None when
+    Dask's log no longer holds them all."""
+    return client.run_on_scheduler(_recent, n)
 
 
 def _recent(n: int, dask_scheduler=None):
-    from ..dask_internals import recent_transitions
+    from ..dask_internals import recent_transitions as recent
 
-    return recent_transitions(dask_scheduler, n)
+    return recent(dask_scheduler, n)
+
+
+def by_cause(seen: list | None) -> Counter | None:
+    """Transitions by cause: their stimulus id without its serial number."""
+    return None if seen is None else Counter(stimulus.rsplit("-", 1)[0] for *_, stimulus in seen)
+
+
+def rebuilds(seen: list | None) -> int:
+    """Prefixes the cost model chose to rebuild on the worker that reads them (``kvreplica``
+    tasks) in ``seen``: a placement decision, each a task and its blocks."""
+    return sum(1 for key, start, finish, _ in seen or () if str(key).startswith(REPLICA) and finish == "waiting")
 
 
 def own_transitions(causes: Counter | None, total: int) -> int:
@@ -79,7 +90,8 @@ def per_workflow(rt, pool: list, mode: str, ref: list | None = None) -> dict:
     n = len(pool)
     by_kind = rpc_spent(rt, calls, n)
     total = scheduler_transitions(rt.client) - moves
-    causes = transition_causes(rt.client, total)
+    seen = recent_transitions(rt.client, total)
+    causes = by_cause(seen)
     return {"mode": mode, "workflows": n, "rpc_per_workflow": by_kind, "rpc_total": sum(by_kind.values()),
             "transitions_per_workflow": total / n, "own_transitions_per_workflow": own_transitions(causes, total) / n,
-            "transitions_by_cause": dict(causes or {}), "exact": ref is None or outs == ref, "outputs": outs}
+            "transitions_by_cause": dict(causes or {}), "rebuilds_per_workflow": rebuilds(seen) / n, "exact": ref is None or outs == ref, "outputs": outs}
