@@ -655,8 +655,11 @@ class BudgetEnforcer:
         if self._tiers is None:
             return 0, ()
         here = self._usage.spilled_inputs(ts, worker)
-        if here:
-            self._tiers.mark_loaded(worker, here)
+        # inputs an earlier admitted task here reads back already: counted in memory since its
+        # admission; this task joins it as a reader, so they stay counted until both leave
+        joined = self._tiers.loading_of(worker, [d.key for d in ts.dependencies])
+        if here or joined:
+            self._tiers.mark_loaded(worker, here + joined)
         tasks, back = self._scheduler.tasks, 0
         for key in here:
             back += tasks[key].get_nbytes()
@@ -666,7 +669,7 @@ class BudgetEnforcer:
             if worker in holders or not holders or not all(self._tiers.spilled_on(d.key, w) for w in holders):
                 continue
             self._catalog.count("bytes_read_back", d.get_nbytes(), self._catalog.namespace_of(d.key))
-        return back, tuple(here)
+        return back, tuple(here + joined)
 
     # -- eviction ---------------------------------------------------------------------------------
     def _evict(self, addr: str, keys, stimulus: str) -> None:

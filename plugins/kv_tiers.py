@@ -16,6 +16,8 @@ cluster's).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from daskflow_kv.state.catalog import KVCatalog
 
 from .kv_events import EventLog
@@ -36,9 +38,10 @@ class TierTracker:
         # worker -> KV block keys on its spill disk: its last report, updated at once where the
         # budget spills blocks or admits a task that reads some back (the next report corrects it)
         self._spilled: dict[str, frozenset] = {}
-        # worker -> spilled keys an admitted task there reads back: they count as in memory from
-        # its admission on, whatever reports sent before it read them say (``mark_loaded``)
-        self._loading: dict[str, set] = {}
+        # worker -> spilled keys admitted tasks there read back, and how many such readers: they
+        # count as in memory from the first admission until the last reader leaves, whatever
+        # reports sent before the read say (``mark_loaded``)
+        self._loading: dict[str, Counter] = {}
         self._can_spill: dict[str, bool] = {}  # worker -> it keeps a spill disk (its reports say)
 
     def _key(self, e: dict) -> str | None:
@@ -60,8 +63,9 @@ class TierTracker:
             on_disk = frozenset(spilled)
             loading = self._loading.get(worker)
             if loading:
-                loading &= on_disk  # not on disk any more: read back, counted in memory as Dask says
-                on_disk -= loading
+                for key in [k for k in loading if k not in on_disk]:
+                    del loading[key]  # not on disk any more: read back, counted in memory as Dask says
+                on_disk -= loading.keys()
             self._spilled[worker] = on_disk
             changed = before != self._spilled[worker]
         for e in events or ():
@@ -96,21 +100,34 @@ class TierTracker:
     def mark_spilled(self, worker: str, keys) -> None:
         """The budget asked ``worker`` to spill ``keys`` (before anything it sends after)."""
         self._spilled[worker] = self._spilled.get(worker, frozenset()) | frozenset(keys)
-        self._loading.get(worker, set()).difference_update(keys)
+        loading = self._loading.get(worker, {})
+        for key in keys:
+            loading.pop(key, None)
 
     def mark_loaded(self, worker: str, keys) -> None:
         """A task admitted on ``worker`` reads ``keys`` back from its spill disk: they count as in
         memory until it has read them (``done_loading``). A report the worker sent before the
-        task started still lists them on disk; taking it would give their room away twice."""
+        task started still lists them on disk; taking it would give their room away twice.
+        A second task admitted while they load joins the first (``loading_of``): they stay in
+        memory until the last of them leaves."""
         if worker in self._spilled:
             self._spilled[worker] = self._spilled[worker] - frozenset(keys)
-        self._loading.setdefault(worker, set()).update(keys)
+        self._loading.setdefault(worker, Counter()).update(keys)
+
+    def loading_of(self, worker: str, keys) -> list:
+        """Those of ``keys`` an admitted task on ``worker`` is reading back now."""
+        loading = self._loading.get(worker, {})
+        return [k for k in keys if k in loading]
 
     def done_loading(self, worker: str, keys) -> None:
-        """The task that read ``keys`` back on ``worker`` left it: its next report says where they are."""
+        """A task that read ``keys`` back on ``worker`` left it: once no reader is left, its next
+        report says where they are."""
         loading = self._loading.get(worker)
-        if loading:
-            loading.difference_update(keys)
+        for key in keys if loading else ():
+            if loading.get(key, 0) > 1:
+                loading[key] -= 1
+            else:
+                loading.pop(key, None)
 
     def spilled_bytes(self, worker: str, nbytes) -> int:
         """Bytes of the blocks on ``worker``'s spill disk (``nbytes``: key -> size)."""

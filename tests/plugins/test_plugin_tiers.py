@@ -84,3 +84,19 @@ def test_a_block_an_admitted_task_reads_back_counts_in_memory_until_it_is_read()
     tiers.mark_spilled("w", ["k"])  # spilled again by the budget before it was read
     tiers.report("w", spilled=["k", "j"])
     assert tiers.spilled_on("k", "w")
+
+
+def test_a_block_two_admitted_tasks_read_back_counts_in_memory_until_both_leave():
+    from daskflow_kv.plugins.kv_tiers import TierTracker
+
+    tiers = TierTracker(catalog=None, events=None)
+    tiers.report("w", spilled=["k"])
+    tiers.mark_loaded("w", ["k"])  # the first reader admitted
+    assert tiers.loading_of("w", ["k", "j"]) == ["k"]
+    tiers.mark_loaded("w", tiers.loading_of("w", ["k"]))  # a second one joins it
+    tiers.done_loading("w", ["k"])  # the first left before it read k (preempted)
+    tiers.report("w", spilled=["k"])  # a report sent before the second read it
+    assert not tiers.spilled_on("k", "w")  # still the second reader's: its room is not given away
+    tiers.done_loading("w", ["k"])
+    tiers.report("w", spilled=["k"])
+    assert tiers.spilled_on("k", "w") and tiers.loading_of("w", ["k"]) == []
