@@ -744,6 +744,20 @@ def keep_spilled_on_peer_reads(worker, keeps: Callable[[object], bool]) -> None:
     worker.handlers["get_data"] = get_data_keeping_spilled
 
 
+def gather_one_key_per_message(worker) -> None:
+    """This worker asks a peer for one key per message (one ``get_data`` call each).
+
+    Dask gathers all the keys it needs from one peer in one message, up to
+    ``distributed.worker.transfer.message-bytes-limit`` (50 MB): a peer holding them on its
+    spill disk loads them all, and holds them in memory at once while it sends them - a
+    document's blocks past its KV budget for the length of the send. One key a message
+    stages one block at a time. (Dask still sends a first key whatever its size, for
+    progress; it fetches from one peer at a time, so a peer stages at most one block for
+    each worker fetching from it.)
+    """
+    worker.state.transfer_message_bytes_limit = 1
+
+
 def add_worker_stream_handlers(worker, handlers: Mapping) -> None:
     """Handlers for messages the scheduler sends on its batched stream to ``worker``
     (``send_to_worker_stream``). Run in the worker's event loop, in the order the scheduler

@@ -105,6 +105,7 @@ class KVWorkerPlugin(WorkerPlugin):
         self._trimmed = 0.0  # when freed memory was last given back while paused
         di.guard_worker_data(worker, refused_data)
         di.keep_spilled_on_peer_reads(worker, holds_kv)  # the budget's spills stay spilled when a peer fetches them
+        di.gather_one_key_per_message(worker)  # a peer sends its spilled blocks one at a time, not a document at once
         di.add_worker_handlers(worker, {REPORT_TOKEN_RPC: self.take_token})
         di.add_worker_stream_handlers(worker, {SPILL_OP: self.spill})
         self._pc = PeriodicCallback(self.report, config.get_seconds("workers.report-interval") * 1000)

@@ -11,6 +11,7 @@ import time
 import dask
 import numpy as np
 import pytest
+from dask.utils import parse_bytes
 from distributed import Client, Event, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster, gen_test
@@ -504,6 +505,53 @@ def test_a_peers_fetch_leaves_a_kept_key_on_the_spill_disk_and_others_as_dask_do
     assert client.gather(sums) == [1 << 16] * 2  # the peer read both from a's disk
     on_disk = client.run(lambda dask_worker: sorted(di.spilled_keys(dask_worker)), workers=[a])[a]
     assert on_disk == ["internals-peer-kept"]  # Dask's own read brought the other back into memory
+
+
+def test_a_worker_gathering_one_key_per_message_makes_its_peer_stage_one_block_at_a_time(client, workers):
+    a, b = workers
+
+    def record_sends(dask_worker):  # each get_data call a's peers make, and how many keys it asks
+        inner = dask_worker.handlers["get_data"]
+
+        async def recorded(comm, keys=(), **msg):
+            dask_worker.daskflow_kv_test_sends.append(len(keys))
+            return await inner(comm, keys=keys, **msg)
+
+        dask_worker.daskflow_kv_test_sends, recorded.inner = [], inner
+        dask_worker.handlers["get_data"] = recorded
+
+    def stop_recording(dask_worker):
+        handler = dask_worker.handlers["get_data"]
+        dask_worker.handlers["get_data"] = getattr(handler, "inner", handler)
+        return dask_worker.__dict__.pop("daskflow_kv_test_sends", None)
+
+    def fetch_four(tag):
+        xs = [client.submit(np.ones, 1 << 14, key=f"internals-gather-{tag}-{i}", workers=[a], pure=False)
+              for i in range(4)]
+        wait(xs)
+        assert client.run(lambda dask_worker: di.spill_keys(dask_worker, [x.key for x in xs]), workers=[a])[a]
+        total = client.submit(lambda *vs: float(sum(v.sum() for v in vs)), *xs, workers=[b], pure=False)
+        assert total.result() == 4 * (1 << 14)
+
+    def set_limit(dask_worker, limit):
+        before, dask_worker.state.transfer_message_bytes_limit = dask_worker.state.transfer_message_bytes_limit, limit
+        return before
+
+    dasks = parse_bytes(dask.config.get("distributed.worker.transfer.message-bytes-limit"))
+    kept = client.run(set_limit, limit=dasks, workers=[b])[b]  # the KV worker plugin set it: Dask's own first
+    client.run(record_sends, workers=[a])
+    try:
+        fetch_four("dask")  # Dask's own way: one message for all four, each loaded from a's disk
+        dask_sends = client.run(stop_recording, workers=[a])[a]
+        client.run(lambda dask_worker: di.gather_one_key_per_message(dask_worker), workers=[b])
+        client.run(record_sends, workers=[a])
+        fetch_four("one")
+    finally:
+        one_sends = client.run(stop_recording, workers=[a])[a]
+        client.run(set_limit, limit=kept, workers=[b])
+    assert dask_sends == [4] and one_sends == [1, 1, 1, 1]
+    held = lambda: client.run(lambda dask_worker: [k for k in dask_worker.data if "gather" in str(k)], workers=[a])[a]  # noqa: E731
+    assert wait_until(lambda: not held())  # the module's cluster is shared: leave no key behind
 
 
 def test_call_scheduler_reaches_a_plugin_handler(client, workers):

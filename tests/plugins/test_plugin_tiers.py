@@ -58,6 +58,8 @@ async def test_tiers_follow_the_workers_reports(c, s, a, b):
 
     assert await first is not None  # the client's read, as a peer's, leaves it on a's disk
     assert first.key in di.spilled_keys(a)
+    # and a peer asks for one key a message: a's spilled blocks are loaded to be sent one at a time
+    await until(lambda: all(w.state.transfer_message_bytes_limit == 1 for w in (a, b)), what="the worker plugin")
     assert await c.submit(lambda kv: kv is not None, first, workers=[a.address], pure=False)
     # a task on a read it back: back in memory, and the next report says so
     await until(lambda: not plugin.tiers.spilled_on(first.key, a.address), what="a's report after the read")
