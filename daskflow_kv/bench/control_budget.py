@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..dask_internals import recent_transitions
 from ..keys import REPLICA
 from .chaos import agent_tokens, run_flow
 from .load_stream import Arrival, build, documents
@@ -47,16 +48,15 @@ def _transition_counter(dask_scheduler=None) -> int:
     return dask_scheduler.transition_counter
 
 
-def recent_transitions(client, n: int) -> list | None:
-    """The scheduler's last ``n`` transitions as (key, start, finish, stimulus id); None when
-    Dask's log no longer holds them all."""
-    return client.run_on_scheduler(_recent, n)
+def transitions_since(client, counter: int) -> tuple[int, list | None]:
+    """Transitions since the scheduler's counter read ``counter``: how many, and each as (key,
+    start, finish, stimulus id) - None when Dask's log no longer holds them all. One call."""
+    return client.run_on_scheduler(_since, counter)
 
 
-def _recent(n: int, dask_scheduler=None):
-    from ..dask_internals import recent_transitions as recent
-
-    return recent(dask_scheduler, n)
+def _since(counter: int, dask_scheduler=None) -> tuple[int, list | None]:
+    n = dask_scheduler.transition_counter - counter
+    return n, recent_transitions(dask_scheduler, n)
 
 
 def by_cause(seen: list | None) -> Counter | None:
@@ -89,8 +89,7 @@ def per_workflow(rt, pool: list, mode: str, ref: list | None = None) -> dict:
     outs = [agent_tokens(run_flow(rt, wf, mode)) for wf in pool]
     n = len(pool)
     by_kind = rpc_spent(rt, calls, n)
-    total = scheduler_transitions(rt.client) - moves
-    seen = recent_transitions(rt.client, total)
+    total, seen = transitions_since(rt.client, moves)
     causes = by_cause(seen)
     return {"mode": mode, "workflows": n, "rpc_per_workflow": by_kind, "rpc_total": sum(by_kind.values()),
             "transitions_per_workflow": total / n, "own_transitions_per_workflow": own_transitions(causes, total) / n,
